@@ -1,0 +1,26 @@
+"""Llama-family decoder models (MHA/GQA/MQA/MLA), logical axis names only.
+
+Public API:
+  ModelConfig                  frozen dataclass (+ num_params, flops_per_token)
+  Transformer(config, attention_fn)
+  reference_attention_fn       default plain-jnp attention plug-in
+  unembed_matrix(params, config) -> [D, E]
+  stack_unscanned_params(params, config)
+  presets: tiny, llama_100m, llama3_8b, llama3_70b
+"""
+from lctx.models.attention import reference_attention_fn
+from lctx.models.config import ModelConfig
+from lctx.models.presets import llama3_8b, llama3_70b, llama_100m, tiny
+from lctx.models.transformer import Transformer, stack_unscanned_params, unembed_matrix
+
+__all__ = [
+    "ModelConfig",
+    "Transformer",
+    "reference_attention_fn",
+    "unembed_matrix",
+    "stack_unscanned_params",
+    "tiny",
+    "llama_100m",
+    "llama3_8b",
+    "llama3_70b",
+]

@@ -1,0 +1,98 @@
+"""Building blocks: logically partitioned params, RMSNorm, RoPE, SwiGLU MLP.
+
+Shapes legend (docs/contracts.md): B batch, T length, N q heads, K kv heads,
+H head dim, D d_model, F MLP hidden, E vocab.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lctx.models.config import ModelConfig
+
+
+def fan_in_init(in_axes: Sequence[int], out_axes: Sequence[int]):
+    """Lecun-normal over the contracted axes of a multi-axis kernel (e.g. [N, H, D])."""
+    return nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=tuple(in_axes), out_axis=tuple(out_axes)
+    )
+
+
+def param(module: nn.Module, name: str, init, shape, names: tuple[str, ...], dtype):
+    """A parameter annotated with logical axis names; returned unboxed."""
+    if len(names) != len(shape):
+        raise ValueError(f"param {name}: {len(shape)} dims but logical names {names}")
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+def constrain(x, names: tuple[str, ...]):
+    """Activation sharding hint in logical names (no-op without a mesh/rules)."""
+    return nn.with_logical_constraint(x, names)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * scale over the last axis, computed in float32."""
+
+    eps: float = 1e-5
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    axis_name: str = "embed"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,),
+                      self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def apply_rope(x, positions, theta: float):
+    """Rotary embedding, half-split convention (rotate_half), driven by positions.
+
+    Args:
+      x: `[B, T, N, H]` (H even; N may be 1 for MLA's shared key part).
+      positions: int32 `[B, T]`: the true token positions (may be permuted, restart
+        per packed document), so RoPE never depends on array order.
+    Returns: `[B, T, N, H]` in x.dtype. Angles are computed in float32.
+    """
+    h = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, H/2]
+    sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: (silu(x Wg) * (x Wu)) Wo, optionally over sequence chunks."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        """x `[B, T, D]` (compute dtype) -> `[B, T, D]`."""
+        c = self.config
+        d, f = c.d_model, c.mlp_dim
+        w_gate = param(self, "wi_gate", fan_in_init([0], [1]), (d, f), ("embed", "mlp"), c.param_dtype)
+        w_up = param(self, "wi_up", fan_in_init([0], [1]), (d, f), ("embed", "mlp"), c.param_dtype)
+        w_out = param(self, "wo", fan_in_init([0], [1]), (f, d), ("mlp", "embed"), c.param_dtype)
+        w_gate, w_up, w_out = (w.astype(c.dtype) for w in (w_gate, w_up, w_out))
+
+        def mlp(xc):  # [B, c, D] -> [B, c, D]; pure in xc, so it can be chunked.
+            gate = jnp.einsum("BTD,DF->BTF", xc, w_gate)
+            up = jnp.einsum("BTD,DF->BTF", xc, w_up)
+            hidden = constrain(nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
+            return jnp.einsum("BTF,FD->BTD", hidden, w_out)
+
+        if c.mlp_chunk_size is None or c.mlp_chunk_size >= x.shape[1]:
+            return mlp(x)
+        # Imported lazily: models may run without the kernels package's extras.
+        from lctx.kernels import chunked_mlp
+
+        return chunked_mlp(mlp, x, c.mlp_chunk_size)

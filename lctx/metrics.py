@@ -1,0 +1,141 @@
+"""Throughput accounting (MFU) and metric writers.
+
+MFU follows ../shared/REFERENCE.md section 4: model FLOPs per non-pad token
+(training = 3 x forward) times tokens per second, over the peak FLOP/s of the
+devices. Peak FLOP/s is a table for accelerators and a same-run matmul
+measurement on CPU, so a CPU "MFU" is a fraction of what this machine's own
+matmul reaches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
+PEAK_FLOPS_PER_DEVICE = {
+    "tpu v5p": 459e12,
+    "tpu v5": 459e12,
+    "tpu v5 lite": 197e12,   # v5e
+    "tpu v6 lite": 918e12,   # v6e (Trillium)
+    "tpu v6e": 918e12,
+    "tpu7x": 2307e12,        # TPU7 (Ironwood)
+    "tpu7": 2307e12,
+    "nvidia h100": 989e12,
+    "nvidia h200": 989e12,
+}
+
+
+def measure_matmul_flops(n: int = 2048, dtype=jnp.float32, repeats: int = 3,
+                         device: jax.Device | None = None) -> float:
+  """FLOP/s of one n^3 matmul on `device` (best of `repeats`)."""
+  device = device or jax.local_devices()[0]
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, a).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(a, a).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * n**3 / best
+
+
+def peak_flops_per_device(device: jax.Device | None = None) -> tuple[float, str]:
+  """(peak FLOP/s of one device, where the number came from).
+
+  On CPU the "device" is one fake device of the host, and all fake devices
+  share the same cores: the measured matmul rate is split evenly between them.
+  """
+  device = device or jax.local_devices()[0]
+  kind = device.device_kind.lower()
+  for name, flops in sorted(PEAK_FLOPS_PER_DEVICE.items(),
+                            key=lambda kv: -len(kv[0])):
+    if name in kind:
+      return flops, f"spec sheet ({device.device_kind})"
+  if device.platform == "cpu":
+    rate = measure_matmul_flops(device=device)
+    share = rate / jax.local_device_count()
+    return share, (f"CPU 2048^3 matmul measured at start-up: {rate / 1e9:.1f} "
+                   f"GFLOP/s shared by {jax.local_device_count()} fake devices")
+  logging.warning("No peak FLOP/s known for %s; MFU is reported as 0.",
+                  device.device_kind)
+  return 0.0, f"unknown device kind {device.device_kind!r}"
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+  """Per-device bytes from XLA's compiled memory analysis."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return {}
+  if m is None:
+    return {}
+  out = {}
+  for key in ("argument_size_in_bytes", "output_size_in_bytes",
+              "temp_size_in_bytes", "alias_size_in_bytes",
+              "generated_code_size_in_bytes"):
+    if hasattr(m, key):
+      out[key.replace("_size_in_bytes", "_bytes")] = int(getattr(m, key))
+  return out
+
+
+def live_memory() -> dict[str, int]:
+  """Live memory stats of the first local device where the backend has them."""
+  stats = jax.local_devices()[0].memory_stats()
+  if not stats:
+    return {}
+  keep = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+  return {f"live_{k}": int(stats[k]) for k in keep if k in stats}
+
+
+class MetricWriter:
+  """Writes scalars to `<workdir>/metrics.jsonl` and TensorBoard.
+
+  Only process 0 writes. One JSON object per call, with `step` first.
+  """
+
+  def __init__(self, workdir: str, enable_tensorboard: bool = True):
+    self._active = jax.process_index() == 0
+    self._jsonl = None
+    self._tb = None
+    if not self._active:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    if enable_tensorboard:
+      try:
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      except ImportError:
+        logging.warning("tensorboardX not installed: no TensorBoard events.")
+
+  def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+    if not self._active:
+      return
+    record = {"step": int(step)}
+    record.update({k: _to_python(v) for k, v in scalars.items()})
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _to_python(v):
+  if hasattr(v, "item"):
+    return v.item()
+  return v

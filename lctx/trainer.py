@@ -1,0 +1,335 @@
+"""The Trainer: attention plug-in, optimizer, sharded state and jitted steps.
+
+Everything the loop in lctx/train.py needs, built with explicit shardings:
+`jax.eval_shape` gives the state shapes, the logical axis names give the
+shardings, and the train step is lowered and compiled once before the loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from lctx import models
+from lctx.kernels import chunked_cross_entropy
+from lctx.parallel import mesh as mesh_lib
+from lctx.parallel.local import local_attention_fn
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+# ----------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Loop, optimizer and parallelism settings.
+
+  Attributes:
+    batch_size: global rows per step (all hosts together).
+    seq_len: tokens per row. Tokens per step = batch_size x seq_len.
+    steps: total optimizer steps.
+    learning_rate: peak learning rate after warm-up.
+    warmup_steps: linear warm-up steps from 0.
+    end_lr_ratio: cosine decay ends at learning_rate x end_lr_ratio.
+    weight_decay: AdamW decoupled weight decay (not applied to norm scales).
+    b1, b2, eps: AdamW moments.
+    grad_clip: global-norm clipping threshold (0 disables).
+    z_loss: weight of the log(Z)^2 auxiliary loss (0 disables).
+    loss_chunk_size: tokens per chunk of the chunked cross-entropy; None
+      computes the logits of a whole row at once.
+    seed: parameter-init and data seed.
+    log_every: steps between logged metrics.
+    eval_every: steps between held-out evaluations (0: only at the end of
+      train_and_eval).
+    eval_batches: held-out batches per evaluation.
+    retrieval_eval_every: steps between retrieval eval grids (0: never during
+      training; `--mode=eval` still runs them when an EvalConfig is bound).
+    checkpoint_every: steps between checkpoints (0: only at the end).
+    keep_checkpoints: how many recent checkpoints to keep.
+    async_checkpoint: write checkpoints in the background.
+    context_parallel_strategy: 'all_gather' | 'ulysses' | 'ring' | 'usp' |
+      'auto' | 'none' (no context parallelism: attention on one device).
+    load_balance: zigzag reorder for causal load balance; None picks the
+      strategy's default (on for ring and usp).
+    attention_backend: kernel backend, 'auto' | 'blockwise' | 'reference' |
+      'splash' | 'cudnn' | 'xla'.
+    attention_block_q, attention_block_kv: kernel block sizes.
+    device_memory_gib: per-device memory budget used by strategy 'auto'.
+  """
+  batch_size: int = 8
+  seq_len: int = 512
+  steps: int = 100
+  learning_rate: float = 3e-3
+  warmup_steps: int = 10
+  end_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+  z_loss: float = 0.0
+  loss_chunk_size: int | None = None
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 0
+  eval_batches: int = 2
+  retrieval_eval_every: int = 0
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 3
+  async_checkpoint: bool = True
+  context_parallel_strategy: str = "auto"
+  load_balance: bool | None = None
+  attention_backend: str = "auto"
+  attention_block_q: int = 512
+  attention_block_kv: int = 512
+  device_memory_gib: float = 16.0
+
+
+# ----------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation,
+                                               optax.Schedule]:
+  """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate,
+      warmup_steps=max(cfg.warmup_steps, 1),
+      decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+      end_value=cfg.learning_rate * cfg.end_lr_ratio)
+
+  def decay_mask(params):
+    # Norm scales and biases are not decayed; stacked (scanned) norm scales
+    # are 2-D, so decide by name rather than by rank.
+    def keep(path, _):
+      names = [str(getattr(p, "key", p)) for p in path]
+      return not any(n in ("scale", "bias") for n in names)
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+  parts = []
+  if cfg.grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+  parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, mask=decay_mask))
+  return optax.chain(*parts), schedule
+
+
+def make_attention_fn(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
+                      ) -> tuple[Callable, str, bool]:
+  """Chooses and builds the attention plug-in: (fn, strategy, load_balance)."""
+  from lctx import parallel  # pylint: disable=g-import-not-at-top
+  shape = mesh_lib.mesh_shape(mesh)
+  strategy = cfg.context_parallel_strategy
+  if strategy == "auto":
+    strategy, reason = parallel.choose_strategy(
+        mesh_shape=shape, model_config=model_cfg, seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size, device_memory_bytes=int(
+            cfg.device_memory_gib * 2**30))
+    logging.info("context_parallel_strategy=auto chose %r: %s", strategy,
+                 reason)
+  load_balance = cfg.load_balance
+  if load_balance is None:
+    load_balance = strategy in ("ring", "usp")
+  if strategy != "none":
+    parallel.validate_context_parallel(
+        strategy=strategy, mesh_shape=shape,
+        num_q_heads=model_cfg.num_heads,
+        num_kv_heads=(model_cfg.num_heads if model_cfg.attention == "mla"
+                      else model_cfg.num_kv_heads),
+        seq_len=cfg.seq_len, load_balance=load_balance)
+  elif shape["context"] * shape["context_ulysses"] > 1:
+    raise ValueError(
+        "context_parallel_strategy='none' needs context = context_ulysses = 1,"
+        f" got mesh {shape}.")
+  kernel_args = dict(kernel_backend=cfg.attention_backend,
+                     block_q=cfg.attention_block_q,
+                     block_kv=cfg.attention_block_kv)
+  if strategy == "none":
+    fn = local_attention_fn(**kernel_args)
+  else:
+    fn = parallel.make_attention_fn(mesh, strategy, **kernel_args)
+  return fn, strategy, load_balance
+
+
+def ring_size(mesh) -> int:
+  return mesh_lib.mesh_shape(mesh)["context"]
+
+
+# ----------------------------------------------------------------------------
+# The trainer object: everything jitted, with explicit shardings.
+# ----------------------------------------------------------------------------
+class Trainer:
+  """Holds the model, optimizer, shardings and the compiled steps."""
+
+  def __init__(self, model_cfg: models.ModelConfig, train_cfg: TrainConfig,
+               mesh):
+    self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
+    self.attention_fn, self.strategy, self.load_balance = make_attention_fn(
+        train_cfg, mesh, model_cfg)
+    self.model = models.Transformer(model_cfg, self.attention_fn)
+    self.tx, self.schedule = make_optimizer(train_cfg)
+    self.batch_sharding = mesh_lib.batch_sharding(mesh)
+    batch_ways, _ = mesh_lib.batch_shard_counts(mesh)
+    if train_cfg.batch_size % batch_ways:
+      raise ValueError(
+          f"batch_size={train_cfg.batch_size} is not divisible by the batch "
+          f"sharding data x fsdp = {batch_ways}.")
+    self.rules = mesh_lib.LOGICAL_RULES
+
+    # Shapes first (no memory), then shardings from the logical names.
+    abstract = jax.eval_shape(self._init_boxed, jax.random.key(0))
+    specs = nn.get_partition_spec(abstract)
+    with self._context():
+      self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh,
+                                                        self.rules)
+    self.abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        nn.unbox(abstract), self.state_sharding)
+    self._train_step = None
+    self._eval_step = jax.jit(
+        self._eval_step_impl,
+        in_shardings=(self.state_sharding, self.batch_sharding),
+        out_shardings=None)
+
+  def _context(self):
+    return _MeshRules(self.mesh, self.rules)
+
+  # -- state ------------------------------------------------------------------
+  def _init_boxed(self, rng):
+    # Init on a batch the mesh divides, so the activation constraints hold.
+    b, t = mesh_lib.batch_shard_counts(self.mesh)[0], self.cfg.seq_len
+    dummy = jnp.zeros((b, t), jnp.int32)
+    params = self.model.init(rng, dummy, dummy, dummy + 1)["params"]
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": self.tx.init(params),
+    }
+
+  def init_state(self, seed: int):
+    with self._context():
+      init = jax.jit(lambda r: nn.unbox(self._init_boxed(r)),
+                     out_shardings=self.state_sharding)
+      return init(jax.random.key(seed))
+
+  # -- steps ------------------------------------------------------------------
+  def loss_fn(self, params, batch):
+    """Mean next-token loss over loss_mask; returns (total, aux)."""
+    hidden = self.model.apply({"params": params}, batch["inputs"],
+                              batch["positions"], batch["segment_ids"],
+                              return_hidden=True)
+    unembed = models.unembed_matrix(params, self.model_cfg)
+    loss_sum, z_sum, weight = chunked_cross_entropy(
+        hidden, unembed.astype(hidden.dtype), batch["targets"],
+        batch["loss_mask"], chunk_size=self.cfg.loss_chunk_size,
+        z_loss=self.cfg.z_loss)
+    denom = jnp.maximum(weight, 1.0)
+    return (loss_sum + z_sum) / denom, {"loss": loss_sum / denom,
+                                        "tokens": weight}
+
+  def _train_step_impl(self, state, batch):
+    grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
+    (_, aux), grads = grad_fn(state["params"], batch)
+    updates, opt_state = self.tx.update(grads, state["opt_state"],
+                                        state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    new_state = {"step": state["step"] + 1, "params": params,
+                 "opt_state": opt_state}
+    metrics = {"loss": aux["loss"], "tokens": aux["tokens"],
+               "grad_norm": optax.global_norm(grads),
+               "learning_rate": self.schedule(state["step"])}
+    return new_state, metrics
+
+  def _eval_step_impl(self, state, batch):
+    _, aux = self.loss_fn(state["params"], batch)
+    return aux
+
+  def abstract_batch(self, batch_size: int | None = None):
+    b = batch_size or self.cfg.batch_size
+    shapes = {k: (jnp.float32 if k == "loss_mask" else jnp.int32)
+              for k in BATCH_KEYS}
+    return {k: jax.ShapeDtypeStruct((b, self.cfg.seq_len), dt,
+                                    sharding=self.batch_sharding)
+            for k, dt in shapes.items()}
+
+  def compile_train_step(self):
+    """Lowers and compiles the train step once; returns the compiled step."""
+    if self._train_step is None:
+      jitted = jax.jit(self._train_step_impl,
+                       in_shardings=(self.state_sharding, self.batch_sharding),
+                       out_shardings=(self.state_sharding, None),
+                       donate_argnums=(0,))
+      with self._context():
+        lowered = jitted.lower(self.abstract_state, self.abstract_batch())
+        self._train_step = lowered.compile()
+    return self._train_step
+
+  def train_step(self, state, batch):
+    return self.compile_train_step()(state, batch)
+
+  def eval_step(self, state, batch):
+    with self._context():
+      return self._eval_step(state, batch)
+
+  def device_batch(self, host_batch: Mapping[str, np.ndarray]):
+    """Host-local numpy rows -> one global array per key on the mesh."""
+    return {k: jax.make_array_from_process_local_data(
+        self.batch_sharding, np.asarray(host_batch[k])) for k in BATCH_KEYS}
+
+  def logits_fn(self, state) -> Callable[[Mapping[str, np.ndarray]],
+                                         np.ndarray]:
+    """Natural-order batch -> float32 logits, through the training forward.
+
+    Rows are padded to the batch sharding and, when the run load-balances,
+    zigzag-reordered in and out, so evals see exactly the training path.
+    """
+    from lctx import parallel  # pylint: disable=g-import-not-at-top
+    batch_ways, _ = mesh_lib.batch_shard_counts(self.mesh)
+    ring = ring_size(self.mesh)
+    apply = jax.jit(lambda p, x, pos, seg: self.model.apply(
+        {"params": p}, x, pos, seg).astype(jnp.float32))
+
+    def fn(batch):
+      x = {k: np.asarray(batch[k]) for k in ("inputs", "positions",
+                                             "segment_ids")}
+      b = x["inputs"].shape[0]
+      pad = (-b) % batch_ways
+      if pad:
+        x = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+             for k, v in x.items()}
+      if self.load_balance:
+        x = {k: parallel.zigzag_reorder(v, ring) for k, v in x.items()}
+      arrays = {k: jax.make_array_from_process_local_data(
+          self.batch_sharding, v) for k, v in x.items()}
+      with self._context():
+        logits = apply(state["params"], arrays["inputs"], arrays["positions"],
+                       arrays["segment_ids"])
+      logits = np.asarray(jax.device_get(logits))
+      if self.load_balance:
+        logits = parallel.zigzag_inverse(logits, ring)
+      return logits[:b]
+    return fn
+
+
+class _MeshRules:
+  """`with` block that sets the mesh and the logical axis rules."""
+
+  def __init__(self, mesh, rules):
+    self._mesh_cm = jax.set_mesh(mesh)
+    self._rules_cm = nn.logical_axis_rules(rules)
+
+  def __enter__(self):
+    self._mesh_cm.__enter__()
+    self._rules_cm.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    self._rules_cm.__exit__(*exc)
+    self._mesh_cm.__exit__(*exc)
+    return False

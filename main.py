@@ -1,0 +1,54 @@
+r"""lctx entry point: gin files + absl flags -> lctx.train.run.
+
+  python main.py --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx
+  python main.py --gin_file=gin/usp_ironwood.gin --gin_param="TrainConfig.steps=10"
+  python main.py --mode=inspect_data --gin_file=gin/local_cpu.gin
+"""
+import os
+import sys
+
+from absl import app, flags, logging
+
+flags.DEFINE_multi_string("gin_file", [], "Gin files to bind (repeatable).")
+flags.DEFINE_multi_string("gin_param", [], "Gin bindings (repeatable).")
+flags.DEFINE_multi_string("gin_search_path", [],
+                          "Extra gin include paths (the repo root is always one).")
+flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics).")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "train_and_eval",
+                                    "inspect_data"], "What to run.")
+flags.DEFINE_integer("fake_devices", None,
+                     "CPU only: force this many host devices (default: the "
+                     "gin file's LOCAL_DEVICES macro, else none).")
+FLAGS = flags.FLAGS
+REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _set_fake_devices(n):
+  if n and "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={n}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  import gin  # pylint: disable=g-import-not-at-top
+  from lctx import gin_utils  # pylint: disable=g-import-not-at-top
+  _set_fake_devices(FLAGS.fake_devices or gin_utils.local_devices_macro(
+      FLAGS.gin_file, [REPO_ROOT, *FLAGS.gin_search_path], FLAGS.gin_param))
+  from lctx import configs, train  # pylint: disable=g-import-not-at-top
+  gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param,
+                  search_paths=[REPO_ROOT, *FLAGS.gin_search_path])
+  experiment = configs.experiment()
+  workdir = FLAGS.workdir or os.path.join("/tmp/lctx", os.path.splitext(
+      os.path.basename((FLAGS.gin_file or ["run"])[-1]))[0])
+  os.makedirs(workdir, exist_ok=True)
+  operative = gin.operative_config_str()
+  logging.info("Operative config:\n%s", operative)
+  with open(os.path.join(workdir, "config.gin"), "w") as f:
+    f.write(operative)
+  train.run(FLAGS.mode, workdir, experiment)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -43,44 +43,72 @@ def expand_glob(pattern: str) -> list[str]:
 
 
 def corpus_fingerprint(text_glob: str | None) -> str:
-  """Short hash of the file list + sizes: the cache key of a prepared corpus."""
-  files = _stdlib_files() if text_glob in (None, DEFAULT_CORPUS) else expand_glob(text_glob)
-  h = hashlib.sha1()
+  """Short hash of the glob, file list and sizes: the cache key of a prepared
+  corpus, so editing or adding files prepares a fresh copy."""
+  default = text_glob in (None, DEFAULT_CORPUS)
+  files = _stdlib_files() if default else expand_glob(text_glob)
+  h = hashlib.sha1(str(text_glob if not default else DEFAULT_CORPUS).encode())
   for f in files:
     h.update(f.encode())
     h.update(str(os.path.getsize(f)).encode())
   return h.hexdigest()[:12]
 
 
-def iter_documents(text_glob: str | None = None) -> Iterator[tuple[str, bytes]]:
-  """Yields (key, raw bytes) for every document of the corpus.
+def list_documents(text_glob: str | None = None) -> list[str]:
+  """Keys of every non-empty document, sorted: file paths, or for the default
+  corpus stdlib-relative paths plus 'pydoc_data.topics/<name>'.
 
-  text_glob None or 'stdlib' means the default corpus. Raw bytes, not str:
-  files may hold invalid UTF-8 and the byte tokenizer keeps them exactly.
-  Raises ValueError when the glob matches no non-empty file.
+  Raises ValueError when nothing non-empty matches, naming what to pass instead.
   """
-  default = text_glob in (None, DEFAULT_CORPUS)
-  files = _stdlib_files() if default else expand_glob(text_glob)
-  count = 0
-  for path in files:
-    with open(path, "rb") as f:
-      data = f.read()
-    if data:
-      count += 1
-      yield os.path.relpath(path, stdlib_dir()) if default else path, data
-  if default:
+  if text_glob in (None, DEFAULT_CORPUS):
+    root = stdlib_dir()
+    keys = [os.path.relpath(f, root) for f in _stdlib_files()
+            if os.path.getsize(f) > 0]
     import pydoc_data.topics  # pylint: disable=g-import-not-at-top
-    for name in sorted(pydoc_data.topics.topics):
-      text = pydoc_data.topics.topics[name]
-      if text:
-        count += 1
-        yield f"pydoc_data.topics/{name}", text.encode("utf-8", "surrogatepass")
-  if count == 0:
+    keys += [f"{_TOPICS}/{name}" for name in sorted(pydoc_data.topics.topics)
+             if pydoc_data.topics.topics[name]]
+  else:
+    keys = [f for f in expand_glob(text_glob) if os.path.getsize(f) > 0]
+  if not keys:
     raise ValueError(
         f"text corpus {text_glob!r} is missing or empty: no non-empty file "
         "matches it. Pass a directory or glob of text files (e.g. "
         "text_glob='/data/books/*.txt'), or text_glob='stdlib' for the "
         "embedded default corpus.")
+  return keys
+
+
+_TOPICS = "pydoc_data.topics"
+
+
+def read_document(key: str, text_glob: str | None = None) -> bytes:
+  """Raw bytes of one document (may be invalid UTF-8; kept exactly)."""
+  if text_glob in (None, DEFAULT_CORPUS):
+    if key.startswith(_TOPICS + "/"):
+      import pydoc_data.topics  # pylint: disable=g-import-not-at-top
+      return pydoc_data.topics.topics[key[len(_TOPICS) + 1:]].encode(
+          "utf-8", "surrogatepass")
+    key = os.path.join(stdlib_dir(), key)
+  with open(key, "rb") as f:
+    return f.read()
+
+
+def iter_documents(text_glob: str | None = None) -> Iterator[tuple[str, bytes]]:
+  """Yields (key, raw bytes) for every document of the corpus, in key order."""
+  for key in list_documents(text_glob):
+    yield key, read_document(key, text_glob)
+
+
+def split_keys(keys: list[str], validation_fraction: float
+               ) -> tuple[list[str], list[str]]:
+  """(train, validation) by a stable hash of each key, never an empty split
+  when there are >= 2 documents (tiny corpora in tests still get both)."""
+  val = [k for k in keys if is_validation(k, validation_fraction)]
+  if not val and len(keys) >= 2 and validation_fraction > 0:
+    val = [keys[-1]]
+  val_set = set(val)
+  train = [k for k in keys if k not in val_set]
+  return train, val
 
 
 def is_validation(key: str, validation_fraction: float) -> bool:

@@ -1,0 +1,90 @@
+"""Document -> training windows -> packed rows in the batch contract.
+
+A tokenized document is `tokens` int32 [L] (BOS ... EOS) plus `target_mask`
+float32 [L] (whether token j counts in the loss when it is a target). It gives
+L - 1 next-token examples: inputs = tokens[:-1], targets = tokens[1:].
+
+Documents longer than a row are cut into consecutive windows of seq_len
+examples. No target is lost at a cut: window k covers examples
+[k*S, (k+1)*S), so its first input is the previous window's last target.
+Window `positions` are absolute (k*S + i, the document's true positions) or
+restart at 0 ('restart'), chosen by `continuation_positions`.
+
+Packing (grain) then places windows into rows of seq_len; `to_batch_contract`
+turns a packed row into the contract of docs/contracts.md:
+inputs, targets, segment_ids (0 = pad, 1.. per document in the row),
+positions, loss_mask, all [seq].
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+import numpy as np
+
+PACKED_FEATURES = ("inputs", "targets", "positions", "loss_mask")
+
+
+class WindowDocument(grain.experimental.FlatMapTransform):
+  """{'tokens' [L], 'target_mask' [L]} -> windows of at most seq_len examples.
+
+  Each window: inputs/targets/positions int32 [n], loss_mask float32 [n], n <= S.
+  """
+
+  def __init__(self, seq_len: int, continuation_positions: str):
+    if continuation_positions not in ("absolute", "restart"):
+      raise ValueError("continuation_positions must be 'absolute' or 'restart', "
+                       f"got {continuation_positions!r}.")
+    self.seq_len = seq_len
+    self.absolute = continuation_positions == "absolute"
+    # Only a bound for grain's bookkeeping; documents longer than this many
+    # windows are still cut completely (grain does not enforce it here).
+    self.max_fan_out = 1 << 20
+
+  def flat_map(self, element: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    tokens, target_mask = element["tokens"], element["target_mask"]
+    n = len(tokens) - 1  # number of next-token examples
+    windows = []
+    for start in range(0, n, self.seq_len):
+      end = min(start + self.seq_len, n)
+      first = start if self.absolute else 0
+      windows.append({
+          "inputs": tokens[start:end],
+          "targets": tokens[start + 1:end + 1],
+          "positions": np.arange(first, first + end - start, dtype=np.int32),
+          "loss_mask": target_mask[start + 1:end + 1],
+      })
+    return windows
+
+
+def restart_positions(segment_ids: np.ndarray) -> np.ndarray:
+  """Positions counted from each segment's first cell. [..., S] -> [..., S]; pad = 0."""
+  seq = segment_ids.shape[-1]
+  idx = np.broadcast_to(np.arange(seq, dtype=np.int32), segment_ids.shape)
+  prev = np.concatenate([np.full(segment_ids.shape[:-1] + (1,), -1, segment_ids.dtype),
+                         segment_ids[..., :-1]], axis=-1)
+  starts = np.where(segment_ids != prev, idx, 0)
+  positions = idx - np.maximum.accumulate(starts, axis=-1)
+  return np.where(segment_ids > 0, positions, 0).astype(np.int32)
+
+
+def to_batch_contract(row: dict[str, Any], *, absolute: bool) -> dict[str, np.ndarray]:
+  """A grain-packed row -> the batch contract (all [S]).
+
+  absolute: take `positions` carried from the windows: the document's true
+  positions, also for a window that concat_split cut across two rows.
+  Otherwise positions restart at every segment start in the row.
+  """
+  segment_ids = row["inputs_segment_ids"].astype(np.int32)
+  if absolute:
+    positions = row["positions"].astype(np.int32)
+  else:
+    positions = restart_positions(segment_ids)
+  real = segment_ids > 0
+  return {
+      "inputs": np.where(real, row["inputs"], 0).astype(np.int32),
+      "targets": np.where(real, row["targets"], 0).astype(np.int32),
+      "segment_ids": segment_ids,
+      "positions": np.where(real, positions, 0).astype(np.int32),
+      "loss_mask": np.where(real, row["loss_mask"], 0).astype(np.float32),
+  }

@@ -19,6 +19,12 @@ flags.DEFINE_enum("mode", "train", ["train", "eval", "train_and_eval",
 flags.DEFINE_integer("fake_devices", None,
                      "CPU only: force this many host devices (default: the "
                      "gin file's LOCAL_DEVICES macro, else none).")
+flags.DEFINE_bool("jax_distributed", False,
+                  "Multi-host: call jax.distributed.initialize (arguments "
+                  "auto-detected on TPU VMs; else the three flags below).")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "Number of processes.")
+flags.DEFINE_integer("process_id", None, "This process's index.")
 FLAGS = flags.FLAGS
 REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,6 +42,10 @@ def main(argv):
   from lctx import gin_utils  # pylint: disable=g-import-not-at-top
   _set_fake_devices(FLAGS.fake_devices or gin_utils.local_devices_macro(
       FLAGS.gin_file, [REPO_ROOT, *FLAGS.gin_search_path], FLAGS.gin_param))
+  if FLAGS.jax_distributed:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+                               FLAGS.process_id)
   from lctx import configs, train  # pylint: disable=g-import-not-at-top
   gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param,
                   search_paths=[REPO_ROOT, *FLAGS.gin_search_path])

@@ -1,0 +1,134 @@
+"""The retrieval grid: tasks x lengths x depths x samples, three variants.
+
+Variants per cell (same cell coordinates, reported as separate records):
+- main: `haystack` filler (training's format), needle present;
+- needle removed: the SAME examples (same seeds) with the queried needles
+  replaced by filler, the decisive control: accuracy must fall to `chance`;
+- held out: a haystack training never uses (real text or the alternative noise
+  filler), different seeds, needle present, `held_out: true`.
+
+With `window` < length, each main example is also scored with its context cut to
+the last `window` tokens (positions restarting at 0): `window_accuracy` and
+`window_loglik` show how much the answer depends on context beyond the window.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+
+from lctx.evals.haystack import Haystack
+from lctx.evals.scoring import LogitsFn, score_answers
+from lctx.evals.tasks import build_example, eval_seed
+
+_log = logging.getLogger(__name__)
+
+
+class _Window:
+  """The last `window` tokens of an example; the answer keeps its offset from
+  the end, so it is scored exactly as in the full example."""
+
+  def __init__(self, ex, window: int):
+    self.tokens = ex.tokens[-window:]
+    self.answer_start = ex.answer_start - (len(ex.tokens) - window)
+
+
+def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
+             lengths: Sequence[int], depths: Sequence[float],
+             samples_per_cell: int, seed: int, haystack: Haystack,
+             held_out_haystack: Haystack | None, needle_removed_control: bool,
+             window: int | None, batch_size: int, length_multiple: int,
+             add_bos: bool = True) -> list[dict]:
+  """Builds and scores the grid; returns one record per (variant, task, length,
+  depth) with keys task, length, depth, accuracy, n, needle_removed, held_out,
+  haystack, loglik (mean answer log-likelihood, nats), token_acc, chance and,
+  for main cells with window < length, window_accuracy and window_loglik.
+  Cells too short for a task are skipped with a warning. Examples are built
+  one length at a time so memory stays bounded at long lengths."""
+  records = []
+  for length in lengths:
+    cells = []  # (record template, [examples])
+    for task in tasks:
+      for di, depth in enumerate(depths):
+        variants = [(haystack, False, False, "main")]
+        if needle_removed_control:
+          variants.append((haystack, True, False, "main"))
+        if held_out_haystack is not None:
+          variants.append((held_out_haystack, False, True, "held_out"))
+        try:
+          for hs, removed, held_out, tag in variants:
+            exs = [build_example(task, length, depth,
+                                 eval_seed(seed, tag, task, length, di, s),
+                                 tokenizer, hs, needle_removed=removed,
+                                 add_bos=add_bos)
+                   for s in range(samples_per_cell)]
+            cells.append(({"task": task, "length": int(length),
+                           "depth": float(depth), "needle_removed": removed,
+                           "held_out": held_out, "haystack": hs.kind,
+                           "chance": exs[0].chance}, exs))
+        except ValueError as e:
+          _log.warning("skipping %s at length %d: %s", task, length, e)
+          cells = [c for c in cells if not (c[0]["task"] == task and
+                                            c[0]["depth"] == float(depth))]
+    flat = [ex for _, exs in cells for ex in exs]
+    if not flat:
+      continue
+    scores = score_answers(logits_fn, flat, batch_size=batch_size,
+                           length_multiple=length_multiple)
+    main_idx = [i for i, ex in enumerate(flat) if not ex.needle_removed]
+    use_window = window is not None and 0 < window < length
+    # The window must hold the question tail and the whole answer (+1 token).
+    if use_window and any(length - flat[i].answer_start >= window for i in main_idx):
+      _log.warning("window %s too short for the answers at length %d; "
+                   "skipping window scoring", window, length)
+      use_window = False
+    win_scores = {}
+    if use_window:
+      ws = score_answers(logits_fn, [_Window(flat[i], window) for i in main_idx],
+                         batch_size=batch_size, length_multiple=length_multiple)
+      win_scores = dict(zip(main_idx, ws))
+    pos = 0
+    for template, exs in cells:
+      sc = scores[pos:pos + len(exs)]
+      rec = dict(template)
+      rec.update(accuracy=float(np.mean([s["exact"] for s in sc])), n=len(exs),
+                 loglik=float(np.mean([s["loglik"] for s in sc])),
+                 token_acc=float(np.mean([s["token_acc"] for s in sc])))
+      if use_window and pos in win_scores:
+        wsc = [win_scores[pos + k] for k in range(len(exs))]
+        rec.update(window=int(window),
+                   window_accuracy=float(np.mean([s["exact"] for s in wsc])),
+                   window_loglik=float(np.mean([s["loglik"] for s in wsc])))
+      records.append(rec)
+      pos += len(exs)
+  return records
+
+
+def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, float]:
+  """Flat scalars per task: acc (main, all cells), acc_len{L}, removed_acc,
+  held_out_acc, loglik, and window_gap (mean answer log-likelihood lost when
+  the context is cut to the window: > 0 means distant context is used)."""
+  out: dict[str, float] = {}
+  for task in dict.fromkeys(r["task"] for r in records):
+    rs = [r for r in records if r["task"] == task]
+    main = [r for r in rs if not r["needle_removed"] and not r["held_out"]]
+    removed = [r for r in rs if r["needle_removed"]]
+    held = [r for r in rs if r["held_out"]]
+    mean = lambda xs, k: float(np.mean([x[k] for x in xs]))
+    p = f"{prefix}/{task}"
+    if main:
+      out[f"{p}/acc"] = mean(main, "accuracy")
+      out[f"{p}/loglik"] = mean(main, "loglik")
+      for length in sorted({r["length"] for r in main}):
+        out[f"{p}/acc_len{length}"] = mean(
+            [r for r in main if r["length"] == length], "accuracy")
+      win = [r for r in main if "window_loglik" in r]
+      if win:
+        out[f"{p}/window_acc"] = mean(win, "window_accuracy")
+        out[f"{p}/window_gap"] = mean(win, "loglik") - mean(win, "window_loglik")
+    if removed:
+      out[f"{p}/removed_acc"] = mean(removed, "accuracy")
+    if held:
+      out[f"{p}/held_out_acc"] = mean(held, "accuracy")
+  return out

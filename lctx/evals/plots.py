@@ -1,0 +1,124 @@
+"""PNG figures and the markdown summary (matplotlib, Agg backend, no display)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+_VARIANTS = (("main", "with needle"), ("removed", "needle removed (control)"),
+             ("held_out", "held-out haystack"))
+
+
+def _variant(rec: dict) -> str:
+  if rec.get("held_out"):
+    return "held_out"
+  return "removed" if rec["needle_removed"] else "main"
+
+
+def _table(records: Sequence[dict], key: str = "accuracy"):
+  """(lengths, depths, values [len(lengths), len(depths)]) with NaN for gaps."""
+  lengths = sorted({r["length"] for r in records})
+  depths = sorted({r["depth"] for r in records})
+  vals = np.full((len(lengths), len(depths)), np.nan)
+  for r in records:
+    if r.get(key) is not None:
+      vals[lengths.index(r["length"]), depths.index(r["depth"])] = r[key]
+  return lengths, depths, vals
+
+
+def heatmap(records: Sequence[dict], task: str, path: str, *, step: int) -> None:
+  """One figure per task: a length x depth accuracy heatmap per variant."""
+  rs = [r for r in records if r["task"] == task]
+  panels = [(v, title) for v, title in _VARIANTS if any(_variant(r) == v for r in rs)]
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 0.8, 3.6),
+                           squeeze=False)
+  image = None
+  for ax, (v, title) in zip(axes[0], panels):
+    sub = [r for r in rs if _variant(r) == v]
+    lengths, depths, vals = _table(sub)
+    image = ax.imshow(vals, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto",
+                      origin="lower")
+    for i in range(len(lengths)):
+      for j in range(len(depths)):
+        if not np.isnan(vals[i, j]):
+          ax.text(j, i, f"{vals[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel("needle depth (fraction of context)")
+    ax.set_ylabel("context length (tokens)")
+    chance = max(r["chance"] for r in sub)
+    ax.set_title(f"{title}\nmean {np.nanmean(vals):.2f}, chance {chance:.1g}",
+                 fontsize=9)
+  fig.suptitle(f"{task} exact match, step {step}", fontsize=11)
+  fig.colorbar(image, ax=axes[0].tolist(), label="accuracy", shrink=0.85)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def position_loss_plot(result: dict, path: str, *, step: int) -> None:
+  """Loss per position bucket (log x axis), with the ablation figures as text."""
+  b = result["position_loss"]
+  mids = [np.sqrt(x["start"] * max(x["end"] - 1, x["start"])) for x in b]
+  fig, ax = plt.subplots(figsize=(6.4, 4.0))
+  ax.plot(mids, [x["loss"] for x in b], marker="o")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("token position (bucket centre)")
+  ax.set_ylabel("next-token loss (nats)")
+  ab = result["ablation"]
+  note = (f"last {ab['tail']} tokens: full {ab['loss_full']:.3f}, "
+          f"last-{ab['window']} {ab['loss_truncated']:.3f}")
+  if ab["loss_replaced"] is not None:
+    note += f", replaced {ab['loss_replaced']:.3f}"
+  note += f"\nkey-token fraction {ab['key_token_frac']:.3f}"
+  ax.set_title(f"loss by position, {result['num_docs']} docs x "
+               f"{result['length']} tokens, step {step}\n{note}", fontsize=9)
+  ax.grid(True, alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def summary_markdown(records: Sequence[dict], context: dict | None,
+                     metrics: dict[str, float], *, step: int) -> str:
+  """A short human-readable report of the grid and the context evals."""
+  lines = [f"# Retrieval evals, step {step}", ""]
+  for task in dict.fromkeys(r["task"] for r in records):
+    rs = [r for r in records if r["task"] == task]
+    lines += [f"## {task}", ""]
+    main = [r for r in rs if _variant(r) == "main"]
+    lengths, depths, vals = _table(main)
+    lines.append("| length \\ depth | " + " | ".join(f"{d:g}" for d in depths)
+                 + " | mean |")
+    lines.append("|---" * (len(depths) + 2) + "|")
+    for i, n in enumerate(lengths):
+      cells = " | ".join("-" if np.isnan(v) else f"{v:.2f}" for v in vals[i])
+      lines.append(f"| {n} | {cells} | {np.nanmean(vals[i]):.2f} |")
+    lines.append("")
+    for key, label in (("removed_acc", "needle removed (control)"),
+                       ("held_out_acc", "held-out haystack"),
+                       ("window_acc", "context cut to the window"),
+                       ("window_gap", "answer log-lik lost without distant context")):
+      k = f"eval/{task}/{key}"
+      if k in metrics:
+        lines.append(f"- {label}: {metrics[k]:.3f}")
+    lines.append(f"- chance: {max(r['chance'] for r in rs):.1g}; "
+                 f"{main[0]['n'] if main else 0} samples per cell")
+    lines.append("")
+  if context is not None:
+    ab = context["ablation"]
+    lines += ["## Distant context on held-out documents", "",
+              f"{context['num_docs']} documents x {context['length']} tokens; "
+              f"last {ab['tail']} tokens, window {ab['window']}.", "",
+              f"- loss full {ab['loss_full']:.3f}, truncated "
+              f"{ab['loss_truncated']:.3f} (gap {ab['gap_truncated']:+.3f})"]
+    if ab["loss_replaced"] is not None:
+      lines.append(f"- distant context replaced {ab['loss_replaced']:.3f} "
+                   f"(gap {ab['gap_replaced']:+.3f})")
+    lines.append(f"- key-token fraction (> {ab['key_threshold']:g} nats): "
+                 f"{ab['key_token_frac']:.3f}")
+    lines.append("")
+  return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""`run_evals`: the one entry point the train loop and `--mode=eval` call.
+
+Writes under `<workdir>/evals/` (only on the writing process):
+
+    retrieval.json            list of records, one per (variant, task, length, depth)
+    retrieval_<task>.png      length x depth heatmaps: with needle / removed / held out
+    context_use.json          loss per position bucket + context ablation (if documents)
+    position_loss.png         the per-position loss curve (if documents)
+    summary.md                short markdown report
+    metrics.json              the flat scalars returned
+    step_<step:08d>/...       a step-stamped copy of all of the above
+
+The top-level files are always the latest step's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from typing import Sequence
+
+import numpy as np
+
+from lctx.evals import plots
+from lctx.evals.context_use import context_use, context_use_metrics
+from lctx.evals.grid import grid_metrics, run_grid
+from lctx.evals.haystack import HAYSTACK_KINDS, make_haystack
+from lctx.evals.scoring import LogitsFn
+from lctx.evals.tasks import TASKS
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """What `run_evals` runs. Cost: len(tasks) x len(lengths) x len(depths) x
+  samples_per_cell examples per variant (main, needle removed, held out), one
+  forward each, plus a short window forward per main example."""
+  tasks: tuple[str, ...] = TASKS
+  """Subset of lctx.evals.TASKS."""
+  lengths: tuple[int, ...] = (256, 512)
+  """Total example lengths in tokens (prompt + answer)."""
+  depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+  """Needle depths as fractions of the body (see lctx.evals.tasks)."""
+  samples_per_cell: int = 4
+  """Examples per (task, length, depth); accuracy resolution is 1/this."""
+  seed: int = 0
+  """Base eval seed; example seeds derive from it inside the reserved range."""
+  haystack: str = "noise"
+  """Filler of the main grid: 'noise' (training's filler), 'alt_noise' or 'text'."""
+  held_out_haystack: str = "auto"
+  """'auto' (= 'text' when documents are given, else 'alt_noise'), 'text',
+  'alt_noise' or 'none'. Reported separately (held_out: true)."""
+  needle_removed_control: bool = True
+  """Also score every main example with its queried needles removed."""
+  add_bos: bool = True
+  """Start every example with BOS (match the training data)."""
+  batch_size: int = 8
+  """Rows per logits_fn call (short batches are padded with all-pad rows)."""
+  length_multiple: int = 1
+  """Rows are right-padded to a multiple of this (e.g. 2 x context degree)."""
+  window: int = 128
+  """Short context W for the ablations (grid answers and documents); 0 = off."""
+  context_length: int = 0
+  """Document length for the context-use evals; 0 = max(lengths)."""
+  context_tail: int = 32
+  """Last tokens of each document scored in the ablation."""
+  max_documents: int = 8
+  """Documents used for the context-use evals (those at least context_length long)."""
+  key_threshold: float = 2.0
+  """LongPPL key-token threshold in nats."""
+
+  def __post_init__(self):
+    bad = [t for t in self.tasks if t not in TASKS]
+    if bad or not self.tasks:
+      raise ValueError(f"EvalConfig.tasks {self.tasks} must be a non-empty subset "
+                       f"of {TASKS}.")
+    if not self.lengths or min(self.lengths) < 2:
+      raise ValueError(f"EvalConfig.lengths must be positive, got {self.lengths}.")
+    if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+      raise ValueError(f"EvalConfig.depths must be in [0, 1], got {self.depths}.")
+    if self.haystack not in HAYSTACK_KINDS:
+      raise ValueError(f"EvalConfig.haystack {self.haystack!r} not in {HAYSTACK_KINDS}.")
+    if self.held_out_haystack not in HAYSTACK_KINDS + ("auto", "none"):
+      raise ValueError(f"EvalConfig.held_out_haystack {self.held_out_haystack!r} "
+                       f"not in {HAYSTACK_KINDS + ('auto', 'none')}.")
+    for name in ("samples_per_cell", "batch_size", "length_multiple"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)}.")
+
+
+def _documents_as_ids(documents, tokenizer, limit: int) -> list[np.ndarray]:
+  out = []
+  for doc in documents:
+    ids = tokenizer.encode(doc) if isinstance(doc, str) else doc
+    out.append(np.asarray(ids, np.int32).reshape(-1))
+    if len(out) >= limit:
+      break
+  return out
+
+
+def _write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)  # readers never see a half-written file
+
+
+def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: str,
+              step: int, documents: Sequence[str | np.ndarray] | None = None,
+              write_files: bool | None = None) -> dict[str, float]:
+  """Runs the retrieval grid (+ controls) and, with `documents`, the context-use
+  evals; writes the files listed in the module docstring; returns flat scalars
+  such as `eval/passkey/acc`, `eval/passkey/removed_acc`,
+  `eval/context/gap_truncated` for metrics.jsonl / TensorBoard.
+
+  logits_fn: batch {inputs, positions, segment_ids: int32 [B, T]} in natural
+    order -> float32 logits [B, T, E]; B = config.batch_size and T a multiple
+    of config.length_multiple (rows are right-padded with pad 0 / segment 0).
+    Every process must call run_evals (the forward is collective).
+  documents: held-out texts (str) or token-id arrays: the 'text' haystack and
+    the context-use evals. Only the first max(64, max_documents) are read.
+  write_files: None = only jax.process_index() == 0 writes.
+  """
+  t0 = time.time()
+  if write_files is None:
+    import jax  # local: the evals themselves never need jax
+    write_files = jax.process_index() == 0
+  docs = None
+  if documents is not None:
+    docs = _documents_as_ids(documents, tokenizer, max(64, config.max_documents))
+  held_kind = config.held_out_haystack
+  if held_kind == "auto":
+    held_kind = "text" if docs else "alt_noise"
+  if "text" in (config.haystack, held_kind) and not docs:
+    raise ValueError("a 'text' haystack needs documents.")
+  haystack = make_haystack(config.haystack, tokenizer, docs)
+  held = None if held_kind == "none" else make_haystack(held_kind, tokenizer, docs)
+
+  records = run_grid(
+      logits_fn, tokenizer, tasks=config.tasks, lengths=config.lengths,
+      depths=config.depths, samples_per_cell=config.samples_per_cell,
+      seed=config.seed, haystack=haystack, held_out_haystack=held,
+      needle_removed_control=config.needle_removed_control,
+      window=config.window or None, batch_size=config.batch_size,
+      length_multiple=config.length_multiple, add_bos=config.add_bos)
+  metrics = grid_metrics(records)
+  main = [v for k, v in metrics.items() if k.endswith("/acc")]
+  if main:
+    metrics["eval/retrieval/acc"] = float(np.mean(main))
+
+  context = None
+  if docs:
+    length = config.context_length or max(config.lengths)
+    long_docs = [d for d in docs if d.size >= length][:config.max_documents]
+    window = config.window or length // 4
+    if long_docs and config.context_tail < window < length:
+      context = context_use(
+          logits_fn, long_docs, length=length, window=window,
+          tail=config.context_tail, batch_size=config.batch_size,
+          length_multiple=config.length_multiple,
+          key_threshold=config.key_threshold)
+      metrics.update(context_use_metrics(context))
+    else:
+      _log.warning("context-use evals skipped: %d documents >= %d tokens, "
+                   "window %d, tail %d", len(long_docs), length, window,
+                   config.context_tail)
+  metrics["eval/seconds"] = time.time() - t0
+
+  if write_files:
+    _write_outputs(records, context, metrics, config, workdir, step)
+  _log.info("evals at step %d took %.1fs: %s", step, metrics["eval/seconds"],
+            {k: round(v, 3) for k, v in metrics.items() if k.endswith("acc")})
+  return metrics
+
+
+def _write_outputs(records, context, metrics, config, workdir, step) -> None:
+  top = os.path.join(workdir, "evals")
+  stamped = os.path.join(top, f"step_{step:08d}")
+  os.makedirs(stamped, exist_ok=True)
+  _write_json(os.path.join(stamped, "retrieval.json"), records)
+  _write_json(os.path.join(stamped, "metrics.json"),
+              {"step": step, **metrics, "config": dataclasses.asdict(config)})
+  for task in dict.fromkeys(r["task"] for r in records):
+    plots.heatmap(records, task, os.path.join(stamped, f"retrieval_{task}.png"),
+                  step=step)
+  if context is not None:
+    _write_json(os.path.join(stamped, "context_use.json"), context)
+    plots.position_loss_plot(context, os.path.join(stamped, "position_loss.png"),
+                             step=step)
+  with open(os.path.join(stamped, "summary.md"), "w") as f:
+    f.write(plots.summary_markdown(records, context, metrics, step=step))
+  for name in os.listdir(stamped):  # the latest copies at the fixed names
+    tmp = os.path.join(top, name + ".tmp")
+    shutil.copyfile(os.path.join(stamped, name), tmp)
+    os.replace(tmp, os.path.join(top, name))

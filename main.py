@@ -35,9 +35,19 @@ def _set_fake_devices(n):
                                f" --xla_force_host_platform_device_count={n}")
 
 
+class _QuietLibraries:
+  """absl filter: INFO chatter of orbax/grain stays out of the run's log."""
+  _NOISY = ("/orbax/", "/grain/", "/tensorflow_datasets/")
+
+  def filter(self, record):
+    return record.levelno >= 30 or not any(
+        n in record.pathname for n in self._NOISY)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   import gin  # pylint: disable=g-import-not-at-top
   from lctx import gin_utils  # pylint: disable=g-import-not-at-top
   _set_fake_devices(FLAGS.fake_devices or gin_utils.local_devices_macro(

@@ -126,11 +126,28 @@ def make_attention_fn(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
   from lctx import parallel  # pylint: disable=g-import-not-at-top
   shape = mesh_lib.mesh_shape(mesh)
   strategy = cfg.context_parallel_strategy
+  mla = model_cfg.attention == "mla"
+  num_kv_heads = model_cfg.num_heads if mla else model_cfg.num_kv_heads
+  if strategy == "auto" and shape["context"] * shape["context_ulysses"] == 1:
+    strategy = "none"
+    logging.info("context_parallel_strategy=auto: context degree 1, so no "
+                 "context parallelism.")
   if strategy == "auto":
+    batch_ways, _ = mesh_lib.batch_shard_counts(mesh)
+    act_bytes = 2 if model_cfg.dtype == "bfloat16" else 4
     strategy, reason = parallel.choose_strategy(
-        mesh_shape=shape, model_config=model_cfg, seq_len=cfg.seq_len,
-        batch_size=cfg.batch_size, device_memory_bytes=int(
-            cfg.device_memory_gib * 2**30))
+        mesh_shape=shape, num_q_heads=model_cfg.num_heads,
+        num_kv_heads=num_kv_heads, seq_len=cfg.seq_len,
+        head_dim=(model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
+                  if mla else model_cfg.head_dim),
+        v_head_dim=model_cfg.v_head_dim if mla else None,
+        batch_per_device=max(1, cfg.batch_size // batch_ways),
+        bytes_per_element=act_bytes,
+        memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
+        # Residual stream + MLP hidden per token, saved across one layer.
+        activation_bytes_per_token=act_bytes * (2 * model_cfg.d_model +
+                                                model_cfg.mlp_dim),
+        load_balance=cfg.load_balance)
     logging.info("context_parallel_strategy=auto chose %r: %s", strategy,
                  reason)
   load_balance = cfg.load_balance
@@ -140,8 +157,7 @@ def make_attention_fn(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
     parallel.validate_context_parallel(
         strategy=strategy, mesh_shape=shape,
         num_q_heads=model_cfg.num_heads,
-        num_kv_heads=(model_cfg.num_heads if model_cfg.attention == "mla"
-                      else model_cfg.num_kv_heads),
+        num_kv_heads=num_kv_heads,
         seq_len=cfg.seq_len, load_balance=load_balance)
   elif shape["context"] * shape["context_ulysses"] > 1:
     raise ValueError(
@@ -153,7 +169,8 @@ def make_attention_fn(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
   if strategy == "none":
     fn = local_attention_fn(**kernel_args)
   else:
-    fn = parallel.make_attention_fn(mesh, strategy, **kernel_args)
+    fn = parallel.make_attention_fn(mesh, strategy, load_balance=load_balance,
+                                    **kernel_args)
   return fn, strategy, load_balance
 
 

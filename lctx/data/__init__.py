@@ -5,13 +5,24 @@ Public entry points (see each docstring):
   inspect_data                              packing report (main.py --mode=inspect_data)
   make_tokenizer, ByteTokenizer, SentencePieceTokenizer
   prepare_text_corpus, open_text_corpus, open_tfds   document sources
-"""
-from lctx.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, Tokenizer, make_tokenizer
-from lctx.data.sources import default_data_dir, open_text_corpus, open_tfds, prepare_text_corpus
-from lctx.data.pipeline import DataConfig, make_dataset, make_iterator
 
-__all__ = [
-    "ByteTokenizer", "SentencePieceTokenizer", "Tokenizer", "make_tokenizer",
-    "default_data_dir", "open_text_corpus", "open_tfds", "prepare_text_corpus",
-    "DataConfig", "make_dataset", "make_iterator",
-]
+Names resolve lazily, so `from lctx.data import make_tokenizer` does not import
+tensorflow_datasets or grain (the evals and tests that only tokenize stay fast).
+"""
+import importlib
+
+_EXPORTS = {
+    "ByteTokenizer": "tokenizers", "SentencePieceTokenizer": "tokenizers",
+    "Tokenizer": "tokenizers", "make_tokenizer": "tokenizers",
+    "default_data_dir": "sources", "open_text_corpus": "sources",
+    "open_tfds": "sources", "prepare_text_corpus": "sources",
+    "DataConfig": "pipeline", "make_dataset": "pipeline", "make_iterator": "pipeline",
+    "inspect_data": "inspect",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f"lctx.data.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module 'lctx.data' has no attribute {name!r}")

@@ -57,8 +57,12 @@ class DataConfig:
   packing: str = "first_fit"
   """'first_fit': whole windows into rows, pad at row ends; 'concat_split':
   no padding, documents cut at row boundaries."""
-  num_packing_bins: int = 64
-  """first_fit rows filled at once; more bins = fewer pads, more host memory."""
+  num_packing_bins: int | None = None
+  """first_fit rows filled at once; more bins = fewer pads, more host memory
+  (bins x seq_len x 16 B). grain emits all bins as soon as one window fits in
+  none, so full-length windows of long documents need many bins to keep pads
+  rare. None = min(256, max(8, 2**24 // seq_len)): 256 up to 64K tokens
+  (fill ~0.99 on the default corpus), 16 bins at 1M tokens."""
   continuation_positions: str = "absolute"
   """Windows after the first of a long document: 'absolute' keeps the true
   positions (k*seq_len + i); 'restart' starts them at 0."""
@@ -72,6 +76,9 @@ class DataConfig:
   copy_max_key_len: int = 32
   copy_loss_on: str = "copy"
   """'copy': loss only on the copied key (+ newline, EOS); 'all': every target."""
+  window_shuffle_size: int = 256
+  """Windows shuffled together after cutting documents, so that one long
+  document does not fill whole batches; host memory ~ size x seq_len x 16 B."""
   read_threads: int = 2
   """grain threads reading and tokenizing documents (the cores are few)."""
 
@@ -151,8 +158,21 @@ def _source_dataset(config: DataConfig, kind: str, *, split: str, seq_len: int,
                                              config.add_eos))
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config.read_threads,
                                             prefetch_buffer_size=64))
-  return grain.experimental.FlatMapIterDataset(
+  ds = grain.experimental.FlatMapIterDataset(
       it, packing_lib.WindowDocument(seq_len, config.continuation_positions))
+  if config.window_shuffle_size > 1:
+    # A long document yields many consecutive windows; without this they fill
+    # whole batches by themselves. Checkpoint state stays small (grain refills
+    # the window from the parent state at restore).
+    ds = grain.experimental.WindowShuffleIterDataset(
+        ds, window_size=config.window_shuffle_size, seed=seed)
+  return ds
+
+
+def packing_bins(config: DataConfig, seq_len: int) -> int:
+  if config.num_packing_bins is not None:
+    return config.num_packing_bins
+  return min(256, max(8, 2**24 // seq_len))
 
 
 def _pack(ds: grain.IterDataset, config: DataConfig, seq_len: int, seed: int
@@ -160,7 +180,7 @@ def _pack(ds: grain.IterDataset, config: DataConfig, seq_len: int, seed: int
   lengths = {k: seq_len for k in packing_lib.PACKED_FEATURES}
   if config.packing == "first_fit":
     return grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct=lengths, num_packing_bins=config.num_packing_bins,
+        ds, length_struct=lengths, num_packing_bins=packing_bins(config, seq_len),
         seed=seed, shuffle_bins=True,
         # Carried along without segment ids/positions of their own.
         meta_features=("positions", "loss_mask"))
@@ -184,6 +204,11 @@ def make_dataset(config: DataConfig, *, split: str = "train", batch_size: int,
                      f"process_count={process_count}).")
   if batch_size <= 0 or seq_len <= 0:
     raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be positive.")
+  if "copy" in config.sources and seq_len < synthetic.min_copy_seq_len(config.copy_max_key_len):
+    raise ValueError(
+        f"the copy task needs seq_len >= {synthetic.min_copy_seq_len(config.copy_max_key_len)}"
+        f" for copy_max_key_len={config.copy_max_key_len}; got seq_len={seq_len} "
+        "(lower copy_max_key_len or raise seq_len).")
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
   streams = [
       # Each source gets its own seed so adding one does not reshuffle others.

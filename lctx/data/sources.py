@@ -74,8 +74,9 @@ class LctxTextCorpus(tfds.core.GeneratorBasedBuilder):
     cfg = self.builder_config
     keys = corpus.list_documents(cfg.text_glob)
     train, val = corpus.split_keys(keys, cfg.validation_fraction)
-    return {"train": self._generate_examples(train),
-            "validation": self._generate_examples(val)}
+    # tfds cannot write an empty split; validation_fraction=0 means none.
+    splits = {"train": train, "validation": val}
+    return {name: self._generate_examples(k) for name, k in splits.items() if k}
 
   def _generate_examples(self, keys):
     glob = self.builder_config.text_glob
@@ -140,6 +141,11 @@ def open_text_corpus(text_glob: str | None = None, *, split: str,
   """The local corpus `split` ('train' | 'validation'), prepared on first use."""
   builder = prepare_text_corpus(text_glob, data_dir=data_dir,
                                 validation_fraction=validation_fraction)
+  if split not in builder.info.splits:
+    raise ValueError(
+        f"text corpus {text_glob!r} has no split {split!r} (it has "
+        f"{sorted(builder.info.splits.keys())}); 'validation' needs "
+        f"validation_fraction > 0 (got {validation_fraction}).")
   return DocumentSource(builder.as_data_source(split=split), TEXT_FEATURE,
                         f"text corpus {text_glob or corpus.DEFAULT_CORPUS!r} [{split}]")
 

@@ -37,6 +37,11 @@ def _split_id(split: str) -> int:
   return zlib.crc32(split.encode())
 
 
+def min_copy_seq_len(max_key_len: int) -> int:
+  """Smallest seq_len that holds a copy document with an empty filler."""
+  return 2 + len("key: \n") + len("\ncopy: ") + 2 * max_key_len + len("\n") - 1
+
+
 def copy_document(index: int, *, seed: int, split: str, max_tokens: int,
                   tokenizer, min_key_len: int = 8, max_key_len: int = 32,
                   loss_on: str = "copy") -> tuple[np.ndarray, np.ndarray]:
@@ -57,10 +62,10 @@ def copy_document(index: int, *, seed: int, split: str, max_tokens: int,
   tail = f"{key}\n"
   # Byte budget for the filler so that BOS + text + EOS fits in max_tokens + 1.
   budget = max_tokens + 1 - 2 - len(head) - len(tail_prefix) - len(tail)
-  if budget < 0:
+  if max_tokens < min_copy_seq_len(max_key_len):
     raise ValueError(
-        f"copy task needs seq_len >= {max_tokens - budget} for keys of up to "
-        f"{max_key_len} characters, got seq_len={max_tokens}.")
+        f"copy task needs seq_len >= {min_copy_seq_len(max_key_len)} for keys of "
+        f"up to {max_key_len} characters, got seq_len={max_tokens}.")
   filler_len = int(rng.integers(0, budget + 1))
   # Enough random sentences, then cut to length: not periodic, cheap to make.
   picks = rng.integers(0, len(FILLER_SENTENCES), filler_len // 11 + 2)

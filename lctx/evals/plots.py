@@ -7,6 +7,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 _VARIANTS = (("main", "with needle"), ("removed", "needle removed (control)"),
@@ -33,13 +34,18 @@ def _table(records: Sequence[dict], key: str = "accuracy"):
 def heatmap(records: Sequence[dict], task: str, path: str, *, step: int) -> None:
   """One figure per task: a length x depth accuracy heatmap per variant."""
   rs = [r for r in records if r["task"] == task]
-  panels = [(v, title) for v, title in _VARIANTS if any(_variant(r) == v for r in rs)]
-  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 0.8, 3.6),
-                           squeeze=False)
+  panels = [(v, title, "accuracy") for v, title in _VARIANTS
+            if any(_variant(r) == v for r in rs)]
+  windowed = [r for r in rs if _variant(r) == "main" and "window_accuracy" in r]
+  if windowed:  # same examples, context cut to the last W tokens
+    panels.append(("main", f"context cut to last {windowed[0]['window']} tokens",
+                   "window_accuracy"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.2, 3.4),
+                           squeeze=False, layout="constrained")
   image = None
-  for ax, (v, title) in zip(axes[0], panels):
-    sub = [r for r in rs if _variant(r) == v]
-    lengths, depths, vals = _table(sub)
+  for ax, (v, title, key) in zip(axes[0], panels):
+    sub = [r for r in rs if _variant(r) == v and key in r]
+    lengths, depths, vals = _table(sub, key)
     image = ax.imshow(vals, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto",
                       origin="lower")
     for i in range(len(lengths)):
@@ -48,13 +54,14 @@ def heatmap(records: Sequence[dict], task: str, path: str, *, step: int) -> None
           ax.text(j, i, f"{vals[i, j]:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_xlabel("needle depth (fraction of context)")
-    ax.set_ylabel("context length (tokens)")
+    ax.set_xlabel("needle depth (fraction)")
+    if ax is axes[0][0]:
+      ax.set_ylabel("context length (tokens)")
     chance = max(r["chance"] for r in sub)
     ax.set_title(f"{title}\nmean {np.nanmean(vals):.2f}, chance {chance:.1g}",
                  fontsize=9)
   fig.suptitle(f"{task} exact match, step {step}", fontsize=11)
-  fig.colorbar(image, ax=axes[0].tolist(), label="accuracy", shrink=0.85)
+  fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
@@ -66,6 +73,7 @@ def position_loss_plot(result: dict, path: str, *, step: int) -> None:
   fig, ax = plt.subplots(figsize=(6.4, 4.0))
   ax.plot(mids, [x["loss"] for x in b], marker="o")
   ax.set_xscale("log", base=2)
+  ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
   ax.set_xlabel("token position (bucket centre)")
   ax.set_ylabel("next-token loss (nats)")
   ab = result["ablation"]

@@ -181,7 +181,16 @@ def context_attention(q, k, v, *, mesh, strategy: str, segment_ids=None, causal=
                   window_size=window_size, softmax_scale=softmax_scale)
     ring = zigzag_ring_size(shape)
     q, k, v, segment_ids, positions = (
-        zigzag_reorder(x, ring, axis=1) for x in (q, k, v, segment_ids, positions))
+        zigzag_reorder(_whole(x, mesh), ring, axis=1)
+        for x in (q, k, v, segment_ids, positions))
     out = fn(q, k, v, segment_ids=segment_ids, positions=positions, causal=causal,
              window_size=window_size, softmax_scale=softmax_scale)
-    return zigzag_inverse(out, ring, axis=1)
+    return zigzag_inverse(_whole(out, mesh), ring, axis=1)
+
+
+def _whole(x, mesh):
+    """On Explicit meshes, a gather over a sharded token axis is ambiguous; replicate
+    first (this entry is for checks and tools; training batches arrive reordered)."""
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(mesh, P()))
+    return x

@@ -12,6 +12,7 @@ they must already be prepared under their data_dir.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Sequence
@@ -96,8 +97,16 @@ def text_corpus_builder(text_glob: str | None = None, *, data_dir: str | None = 
       name=name, version=LctxTextCorpus.VERSION, text_glob=text_glob,
       validation_fraction=validation_fraction,
       description=f"text files {text_glob!r}")
-  return LctxTextCorpus(config=config, data_dir=data_dir or default_data_dir(),
-                        file_format="array_record")
+  # tfds warns "Using custom data configuration" for every per-corpus config;
+  # that is the design here, not a problem, so keep it out of the run logs.
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)
+  try:
+    return LctxTextCorpus(config=config, data_dir=data_dir or default_data_dir(),
+                          file_format="array_record")
+  finally:
+    absl_logger.setLevel(level)
 
 
 def prepare_text_corpus(text_glob: str | None = None, *, data_dir: str | None = None,

@@ -244,3 +244,17 @@ def test_inspect_data_report(corpus):
   assert len(fill) == 1 and 0.5 < float(fill[0].split()[1]) <= 1.0
   assert "documents_per_row" in report and "‖[seg 1 @pos" in report
   assert "document_length[text]" in report
+
+
+def test_load_documents_for_evals(corpus):
+  from lctx.data import load_documents, make_tokenizer_for
+  config, docs = corpus
+  assert make_tokenizer_for(config).vocab_size == 259
+  got = load_documents(config, split="train", limit=3)
+  assert len(got) == 3 and len(set(got)) == 3
+  texts = {raw.decode("utf-8", "replace") for raw in docs.values()}
+  assert set(got) <= texts
+  # Fewer train docs than 8 x limit candidates: exactly the 3 longest come back.
+  train = sorted((r.decode("utf-8", "replace") for r in _train_docs(config)), key=len)
+  assert sorted(got, key=len) == train[-3:]
+  assert load_documents(DataConfig(sources=("copy",))) is None

@@ -252,3 +252,33 @@ def make_iterator(config: DataConfig, *, split: str = "train", batch_size: int,
   return iter(make_dataset(config, split=split, batch_size=batch_size, seq_len=seq_len,
                            seed=seed, process_index=process_index,
                            process_count=process_count, batch_transform=batch_transform))
+
+
+def make_tokenizer_for(config: DataConfig):
+  """The tokenizer the pipeline uses for `config` (evals encode prompts with it)."""
+  return make_tokenizer(config.tokenizer, config.tokenizer_model_path)
+
+
+def load_documents(config: DataConfig, *, split: str = "validation", limit: int = 16,
+                   seed: int = 0) -> list[str] | None:
+  """Up to `limit` whole held-out documents as text, for the evals' 'text'
+  haystack and context-use measurements.
+
+  Drawn from the config's corpus sources ('text', 'tfds'), in a seeded order;
+  among the first 8 x limit candidates the `limit` longest are kept (in that
+  order), because long-context evals need documents longer than their window.
+  Invalid UTF-8 is decoded with U+FFFD. Returns None when the config has no
+  corpus source (e.g. copy task only), so callers fall back to synthetic text.
+  """
+  docs: list[str] = []
+  for kind in config.sources:
+    source = document_source(config, kind, split)
+    if source is None:
+      continue
+    order = np.random.default_rng(seed).permutation(len(source))[:8 * limit]
+    raws = [source[int(i)] for i in order]
+    keep = set(np.argsort([-len(r) for r in raws], kind="stable")[:limit].tolist())
+    docs += [raws[i].decode("utf-8", errors="replace") for i in range(len(raws)) if i in keep]
+  if not any(kind in ("text", "tfds") for kind in config.sources):
+    return None
+  return docs[:limit]

@@ -1,7 +1,8 @@
 """Data pipeline throughput and fill ratio on the default config.
 
     python scripts/bench_data.py [--seq_lens=1024,4096] [--batch_size=8]
-        [--num_batches=200] [--packing=first_fit] [--json=/tmp/bench_data.json]
+        [--num_batches=200] [--packing=first_fit] [--sources=text,copy --weights=0.8,0.2]
+        [--json=bench_results/bench_data.json]
 
 For each seq_len: tokens/s the pipeline produces (after a warm-up batch; the
 local corpus is prepared beforehand and not timed), fill ratio (non-pad tokens
@@ -54,11 +55,14 @@ def main(argv=None):
   p.add_argument("--packing", default="first_fit")
   p.add_argument("--num_packing_bins", type=int, default=None)
   p.add_argument("--window_shuffle_size", type=int, default=None)
-  p.add_argument("--sources", default="text")
-  p.add_argument("--json", default="bench_data.json")
+  p.add_argument("--sources", default="text", help="e.g. text,copy")
+  p.add_argument("--weights", default="", help="e.g. 0.8,0.2 (default equal)")
+  p.add_argument("--json", default="bench_results/bench_data.json")
   args = p.parse_args(argv)
 
-  config = DataConfig(sources=tuple(args.sources.split(",")), packing=args.packing)
+  weights = tuple(float(w) for w in args.weights.split(",")) if args.weights else ()
+  config = DataConfig(sources=tuple(args.sources.split(",")), weights=weights,
+                      packing=args.packing)
   overrides = {k: getattr(args, k) for k in ("num_packing_bins", "window_shuffle_size")
                if getattr(args, k) is not None}
   config = dataclasses.replace(config, **overrides)
@@ -75,6 +79,7 @@ def main(argv=None):
     print(f"{r['seq_len']:>8} {r['batch_size']:>6} {r['packing']:>12} "
           f"{r['num_packing_bins']:>5} {r['tokens_per_s'] / 1e6:>8.2f} "
           f"{r['fill_ratio']:>7.4f} {r['loss_mask_ratio']:>9.4f} {r['first_batch_s']:>11.2f}")
+  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(dict(config=dataclasses.asdict(config), prepare_s=prepare_s,
                    load_avg=os.getloadavg()[0], results=rows), f, indent=2)

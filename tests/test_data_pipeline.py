@@ -201,6 +201,9 @@ def test_copy_task_only_source_and_loss_mask():
       assert text.startswith("key: ") and text.endswith("\ncopy: " + key + "\n")
       checked += 1
   assert checked >= 4
+  val = next(make_iterator(config, split="validation", batch_size=4, seed=0,
+                           process_index=0, process_count=1))
+  assert not np.array_equal(val["inputs"], b["inputs"])  # held-out keys differ
 
 
 def test_mixture_weights_and_batch_transform(corpus):

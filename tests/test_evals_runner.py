@@ -78,7 +78,7 @@ def test_induction_model_retrieves_and_controls_fall_to_chance(tmp_path):
   cfg = EvalConfig(tasks=("passkey", "niah_single", "niah_multikey"),
                    lengths=(256, 512), depths=(0.0, 0.5, 1.0), samples_per_cell=2,
                    batch_size=4, window=128, context_length=512, context_tail=16,
-                   max_documents=4)
+                   num_documents=4)
   metrics = run_evals(induction_fn, TOK, config=cfg, workdir=str(tmp_path),
                       step=7, documents=_docs())
   records = json.load(open(tmp_path / "evals" / "retrieval.json"))

@@ -125,3 +125,33 @@ def test_make_batch_right_pads():
   assert all(v.dtype == np.int32 for v in b.values())
   with pytest.raises(ValueError, match="batch_size=1"):
     make_batch([np.array([1]), np.array([2])], batch_size=1)
+
+
+@pytest.mark.slow  # ~10-40 s: five compiles of the flax model
+def test_real_transformer_padding_invariant_and_greedy():
+  """lctx.models.Transformer (tiny, reference attention): right padding to a
+  length multiple leaves the scores unchanged, and exact match == greedy."""
+  from lctx.models import Transformer, tiny
+  model = Transformer(tiny(vocab_size=E))
+  x0 = np.zeros((1, 8), np.int32)
+  params = model.init(jax.random.PRNGKey(1), x0, x0, x0 + 1)["params"]
+  apply = jax.jit(lambda x, p, s: model.apply({"params": params}, x, p, s))
+  fn = lambda b: np.asarray(apply(b["inputs"], b["positions"], b["segment_ids"]))
+  ex = build_example("passkey", 120, 0.0, eval_seed(11), TOK,
+                     make_haystack("noise", TOK))
+  ex = _with_answer(ex, ex.tokens[ex.answer_start:ex.answer_start + 2])  # " d"
+  n = len(ex.tokens) - ex.answer_start  # 2 steps: each new length compiles
+  seq = list(ex.tokens[:ex.answer_start])
+  for _ in range(n):  # real greedy decoding, unpadded
+    x = np.asarray(seq, np.int32)[None]
+    seq.append(int(fn({"inputs": x, "positions": np.arange(x.shape[1])[None],
+                       "segment_ids": np.ones_like(x)})[0, -1].argmax()))
+  greedy = np.asarray(seq[ex.answer_start:], np.int32)
+  examples = [ex, _with_answer(ex, greedy)]
+  plain = score_answers(fn, examples, batch_size=2, length_multiple=1)
+  padded = score_answers(fn, examples, batch_size=2, length_multiple=64)
+  for a, b in zip(plain, padded):
+    assert a["exact"] == b["exact"]
+    np.testing.assert_allclose(a["loglik"], b["loglik"], rtol=1e-5, atol=1e-5)
+  assert padded[1]["exact"] == 1.0
+  assert padded[0]["exact"] == float(np.array_equal(greedy, ex.tokens[ex.answer_start:]))

@@ -6,7 +6,8 @@ import pytest
 
 from lctx.data.tokenizers import ByteTokenizer
 from lctx.evals import (EVAL_SEED_BASE, TASKS, build_example, draw_training_seed,
-                        eval_seed, make_haystack, make_training_example)
+                        eval_seed, make_haystack, make_training_example,
+                        training_example_at)
 
 TOK = ByteTokenizer()
 NOISE = make_haystack("noise", TOK)
@@ -102,6 +103,12 @@ def test_train_and_eval_seeds_are_disjoint():
   for task in TASKS:
     row = make_training_example(task, 512, rng)
     assert int(row["seed"]) < EVAL_SEED_BASE
+    a = training_example_at(task, 512, 3, seed=1)
+    b = training_example_at(task, 512, 3, seed=1)
+    c = training_example_at(task, 512, 4, seed=1)
+    assert int(a["seed"]) == int(b["seed"]) < EVAL_SEED_BASE
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    assert not np.array_equal(a["inputs"], c["inputs"])
 
 
 @pytest.mark.parametrize("answer_loss_only", [False, True])

@@ -17,12 +17,13 @@ from lctx.evals.runner import EvalConfig, run_evals
 from lctx.evals.scoring import make_batch, score_answers, token_scores
 from lctx.evals.tasks import (EVAL_SEED_BASE, TASKS, RetrievalExample,
                               build_example, depth_offset, draw_training_seed,
-                              eval_seed, make_training_example)
+                              eval_seed, make_training_example,
+                              training_example_at)
 
 __all__ = [
     "EVAL_SEED_BASE", "EvalConfig", "HAYSTACK_KINDS", "Haystack",
     "RetrievalExample", "TASKS", "build_example", "context_use", "depth_offset",
     "draw_training_seed", "eval_seed", "grid_metrics", "make_batch",
     "make_haystack", "make_training_example", "run_evals", "run_grid",
-    "score_answers", "token_scores",
+    "score_answers", "token_scores", "training_example_at",
 ]

@@ -42,7 +42,8 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
              add_bos: bool = True) -> list[dict]:
   """Builds and scores the grid; returns one record per (variant, task, length,
   depth) with keys task, length, depth, accuracy, n, needle_removed, held_out,
-  haystack, loglik (mean answer log-likelihood, nats), token_acc, chance and,
+  haystack, loglik (mean answer log-likelihood, nats), token_acc, chance,
+  distance (mean tokens from the depth-placed needle's start to the end) and,
   for main cells with window < length, window_accuracy and window_loglik.
   Cells too short for a task are skipped with a warning. Examples are built
   one length at a time so memory stays bounded at long lengths."""
@@ -94,7 +95,10 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
       rec = dict(template)
       rec.update(accuracy=float(np.mean([s["exact"] for s in sc])), n=len(exs),
                  loglik=float(np.mean([s["loglik"] for s in sc])),
-                 token_acc=float(np.mean([s["token_acc"] for s in sc])))
+                 token_acc=float(np.mean([s["token_acc"] for s in sc])),
+                 # tokens from the depth-placed needle's start to the answer
+                 distance=float(np.mean([len(e.tokens) - e.depth_offset
+                                         for e in exs])))
       if use_window and pos in win_scores:
         wsc = [win_scores[pos + k] for k in range(len(exs))]
         rec.update(window=int(window),
@@ -106,7 +110,8 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
 
 
 def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, float]:
-  """Flat scalars per task: acc (main, all cells), acc_len{L}, removed_acc,
+  """Flat scalars per task: acc (main, all cells), acc_len{L} and
+  min_acc_len{L} (mean / worst depth at length L), removed_acc,
   held_out_acc, loglik, and window_gap (mean answer log-likelihood lost when
   the context is cut to the window: > 0 means distant context is used)."""
   out: dict[str, float] = {}
@@ -121,8 +126,9 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
       out[f"{p}/acc"] = mean(main, "accuracy")
       out[f"{p}/loglik"] = mean(main, "loglik")
       for length in sorted({r["length"] for r in main}):
-        out[f"{p}/acc_len{length}"] = mean(
-            [r for r in main if r["length"] == length], "accuracy")
+        at = [r for r in main if r["length"] == length]
+        out[f"{p}/acc_len{length}"] = mean(at, "accuracy")
+        out[f"{p}/min_acc_len{length}"] = float(min(r["accuracy"] for r in at))
       win = [r for r in main if "window_loglik" in r]
       if win:
         out[f"{p}/window_acc"] = mean(win, "window_accuracy")

@@ -68,8 +68,9 @@ class EvalConfig:
   """Document length for the context-use evals; 0 = max(lengths)."""
   context_tail: int = 32
   """Last tokens of each document scored in the ablation."""
-  max_documents: int = 8
-  """Documents used for the context-use evals (those at least context_length long)."""
+  num_documents: int = 16
+  """Held-out documents to read (the caller's load limit): the 'text' haystack
+  and, those at least context_length long, the context-use evals."""
   key_threshold: float = 2.0
   """LongPPL key-token threshold in nats."""
 
@@ -87,7 +88,8 @@ class EvalConfig:
     if self.held_out_haystack not in HAYSTACK_KINDS + ("auto", "none"):
       raise ValueError(f"EvalConfig.held_out_haystack {self.held_out_haystack!r} "
                        f"not in {HAYSTACK_KINDS + ('auto', 'none')}.")
-    for name in ("samples_per_cell", "batch_size", "length_multiple"):
+    for name in ("samples_per_cell", "batch_size", "length_multiple",
+                 "num_documents"):
       if getattr(self, name) < 1:
         raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)}.")
 
@@ -122,7 +124,7 @@ def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: st
     of config.length_multiple (rows are right-padded with pad 0 / segment 0).
     Every process must call run_evals (the forward is collective).
   documents: held-out texts (str) or token-id arrays: the 'text' haystack and
-    the context-use evals. Only the first max(64, max_documents) are read.
+    the context-use evals. Only the first config.num_documents are read.
   write_files: None = only jax.process_index() == 0 writes.
   """
   t0 = time.time()
@@ -131,7 +133,7 @@ def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: st
     write_files = jax.process_index() == 0
   docs = None
   if documents is not None:
-    docs = _documents_as_ids(documents, tokenizer, max(64, config.max_documents))
+    docs = _documents_as_ids(documents, tokenizer, config.num_documents)
   held_kind = config.held_out_haystack
   if held_kind == "auto":
     held_kind = "text" if docs else "alt_noise"
@@ -155,7 +157,7 @@ def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: st
   context = None
   if docs:
     length = config.context_length or max(config.lengths)
-    long_docs = [d for d in docs if d.size >= length][:config.max_documents]
+    long_docs = [d for d in docs if d.size >= length]
     window = config.window or length // 4
     if long_docs and config.context_tail < window < length:
       context = context_use(

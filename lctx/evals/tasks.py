@@ -308,3 +308,17 @@ def make_training_example(task: str, length: int, rng: np.random.Generator,
           "positions": np.arange(length, dtype=np.int32),
           "segment_ids": np.ones(length, np.int32), "loss_mask": loss_mask,
           "seed": np.int64(seed), "answer_start": np.int64(ex.answer_start)}
+
+
+def training_example_at(task: str, length: int, index: int, *, seed: int = 0,
+                        tokenizer=None, haystack: Haystack | None = None,
+                        add_bos: bool = True,
+                        answer_loss_only: bool = False) -> dict[str, np.ndarray]:
+  """Random-access form of make_training_example for index-based sources:
+  a pure function of (task, length, index, seed), always with a training seed
+  (< EVAL_SEED_BASE)."""
+  key = repr(("train", int(seed), task, int(length), int(index))).encode()
+  h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+  return make_training_example(task, length, np.random.default_rng(h), tokenizer,
+                               haystack=haystack, add_bos=add_bos,
+                               answer_loss_only=answer_loss_only)

@@ -275,16 +275,19 @@ class Trainer:
                                     sharding=self.batch_sharding)
             for k, dt in shapes.items()}
 
+  def lower_train_step(self):
+    """Lowers the train step on abstract inputs (no device memory needed)."""
+    jitted = jax.jit(self._train_step_impl,
+                     in_shardings=(self.state_sharding, self.batch_sharding),
+                     out_shardings=(self.state_sharding, None),
+                     donate_argnums=(0,))
+    with self._context():
+      return jitted.lower(self.abstract_state, self.abstract_batch())
+
   def compile_train_step(self):
     """Lowers and compiles the train step once; returns the compiled step."""
     if self._train_step is None:
-      jitted = jax.jit(self._train_step_impl,
-                       in_shardings=(self.state_sharding, self.batch_sharding),
-                       out_shardings=(self.state_sharding, None),
-                       donate_argnums=(0,))
-      with self._context():
-        lowered = jitted.lower(self.abstract_state, self.abstract_batch())
-        self._train_step = lowered.compile()
+      self._train_step = self.lower_train_step().compile()
     return self._train_step
 
   def train_step(self, state, batch):

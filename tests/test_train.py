@@ -1,0 +1,109 @@
+"""The train loop end to end: metrics, checkpoints, exact resume, error paths."""
+import json
+import os
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+from lctx import checkpoint as ckpt_lib
+from lctx import configs, gin_utils, models
+from lctx import train as train_lib
+from lctx.data import DataConfig
+from lctx.parallel import mesh as mesh_lib
+from lctx.trainer import TrainConfig, Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = models.ModelConfig(vocab_size=384, d_model=32, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+
+
+def _experiment(**train_overrides):
+  train = dict(batch_size=4, seq_len=64, steps=6, log_every=1,
+               checkpoint_every=3, async_checkpoint=False, warmup_steps=2,
+               context_parallel_strategy="ring", attention_block_q=16,
+               attention_block_kv=16, eval_batches=1)
+  train.update(train_overrides)
+  return train_lib.Experiment(
+      model=TINY, data=DataConfig(sources=("copy",), copy_max_key_len=16),
+      train=TrainConfig(**train),
+      mesh=mesh_lib.MeshConfig(data=2, context=4))
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_train_writes_metrics_and_checkpoints_and_resumes_exactly(tmp_path):
+  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  train_lib.run("train", full, _experiment())
+  # Same run, stopped after step 3 (its last checkpoint), then resumed.
+  train_lib.run("train", part, _experiment(steps=3))
+  train_lib.run("train", part, _experiment())
+
+  records = _metrics(full)
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+  for key in ("loss", "tokens_per_sec", "mfu", "grad_norm", "learning_rate",
+              "tflops_per_device", "memory/temp_bytes"):
+    assert key in records[0], key
+  assert all(r["tokens_per_sec"] > 0 and r["mfu"] > 0 for r in records)
+  resumed = {r["step"]: r["loss"] for r in _metrics(part)}
+  np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)],
+                             [r["loss"] for r in records[3:]], rtol=1e-5)
+  steps = sorted(int(d) for d in os.listdir(os.path.join(full, "checkpoints"))
+                 if d.isdigit())
+  assert steps == [3, 6]
+
+
+def test_resume_with_a_different_model_names_the_mismatch(tmp_path):
+  workdir = str(tmp_path)
+  train_lib.run("train", workdir, _experiment(steps=1, checkpoint_every=1))
+  other = _experiment(steps=2)
+  other = train_lib.Experiment(
+      model=models.ModelConfig(**{**TINY.__dict__, "mlp_dim": 96}),
+      data=other.data, train=other.train, mesh=other.mesh)
+  with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                     match=r"model\.mlp_dim: checkpoint has 64, config has 96"):
+    train_lib.run("train", workdir, other)
+  # Nothing already written is lost.
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", "1"))
+
+
+def test_eval_mode_without_checkpoint_is_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="--mode=eval needs a checkpoint"):
+    train_lib.run("eval", str(tmp_path), _experiment())
+
+
+def test_loss_falls_on_the_copy_task(tmp_path):
+  exp = _experiment(steps=30, checkpoint_every=0, learning_rate=1e-2,
+                    log_every=5)
+  train_lib.run("train", str(tmp_path), exp)
+  losses = [r["loss"] for r in _metrics(str(tmp_path))]
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_batch_not_divisible_by_data_axes_is_an_error():
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, context=2))
+  with pytest.raises(ValueError, match=r"batch_size=6 is not divisible by the "
+                     r"batch sharding data x fsdp = 4"):
+    Trainer(TINY, TrainConfig(batch_size=6, seq_len=64,
+                              context_parallel_strategy="all_gather"), mesh)
+
+
+def test_unknown_gin_binding_is_an_error():
+  gin.clear_config()
+  with pytest.raises(ValueError, match="No configurable matching 'NotAThing'"):
+    gin_utils.parse([], ["NotAThing.x = 1"], [ROOT])
+  gin.clear_config()
+  with pytest.raises(ValueError, match="no_such_field"):
+    gin_utils.parse([], ["TrainConfig.no_such_field = 1"], [ROOT])
+  gin.clear_config()
+
+
+def test_local_devices_macro_is_read_before_jax():
+  n = gin_utils.local_devices_macro(["gin/local_cpu.gin"], [ROOT])
+  assert n == 8
+  assert gin_utils.local_devices_macro(
+      ["gin/local_cpu.gin"], [ROOT], ["LOCAL_DEVICES = 4"]) == 4

@@ -12,6 +12,7 @@ they must already be prepared under their data_dir.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -114,11 +115,25 @@ def prepare_text_corpus(text_glob: str | None = None, *, data_dir: str | None = 
   """Prepares the corpus if it is not prepared yet (idempotent); returns it."""
   builder = text_corpus_builder(text_glob, data_dir=data_dir,
                                 validation_fraction=validation_fraction)
-  if not builder.is_prepared():
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(
-            # Statistics over ~30 MB of text cost more than writing it.
-            compute_stats=tfds.download.ComputeStatsMode.SKIP))
+  if builder.is_prepared():
+    return builder
+  # Several processes on one machine (tests, simulated multi-host) may start
+  # together: one prepares, the others wait for it instead of racing on the
+  # final rename.
+  root = data_dir or default_data_dir()
+  os.makedirs(root, exist_ok=True)
+  with open(os.path.join(root, f".{LOCAL_BUILDER_NAME}.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      builder = text_corpus_builder(text_glob, data_dir=data_dir,
+                                    validation_fraction=validation_fraction)
+      if not builder.is_prepared():
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(
+                # Statistics over ~30 MB of text cost more than writing it.
+                compute_stats=tfds.download.ComputeStatsMode.SKIP))
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
   return builder
 
 

@@ -122,6 +122,17 @@ def test_induction_model_retrieves_and_controls_fall_to_chance(tmp_path):
   assert ctx["length"] == 512 and ctx["ablation"]["window"] == 128
   assert [b["start"] for b in ctx["position_loss"]] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
   assert "eval/context/gap_truncated" in metrics
+  # A later step without documents replaces the latest files and keeps step 7's.
+  cfg2 = EvalConfig(tasks=("passkey",), lengths=(256,), depths=(0.5,),
+                    samples_per_cell=1, window=0)
+  run_evals(uniform_fn, TOK, config=cfg2, workdir=str(tmp_path), step=9)
+  assert not (out / "context_use.json").exists()
+  assert not (out / "retrieval_niah_single.png").exists()
+  assert json.load(open(out / "metrics.json"))["step"] == 9
+  assert (out / "step_00000007" / "context_use.json").exists()
+  with pytest.raises(ValueError, match="vocab_size must be at least"):
+    run_evals(lambda b: uniform_fn(b)[..., :100], TOK, config=cfg2,
+              workdir=str(tmp_path), step=10, write_files=False)
 
 
 def test_context_ablation_sees_copying_from_far_back():

@@ -195,7 +195,13 @@ def _write_outputs(records, context, metrics, config, workdir, step) -> None:
                              step=step)
   with open(os.path.join(stamped, "summary.md"), "w") as f:
     f.write(plots.summary_markdown(records, context, metrics, step=step))
-  for name in os.listdir(stamped):  # the latest copies at the fixed names
+  latest = set(os.listdir(stamped))
+  for name in latest:  # the latest copies at the fixed names
     tmp = os.path.join(top, name + ".tmp")
     shutil.copyfile(os.path.join(stamped, name), tmp)
     os.replace(tmp, os.path.join(top, name))
+  for name in os.listdir(top):  # drop outputs an earlier step wrote but this one did not
+    path = os.path.join(top, name)
+    if (os.path.isfile(path) and name not in latest and
+        name.endswith((".json", ".png", ".md"))):
+      os.remove(path)

@@ -73,6 +73,11 @@ def token_scores(logits_fn: LogitsFn, sequences: Sequence[np.ndarray],
     if logits.shape[:2] != batch["inputs"].shape:
       raise ValueError(f"logits_fn returned {logits.shape}, expected "
                        f"{batch['inputs'].shape + ('E',)}.")
+    top = max(int(np.max(sequences[i])) for i in idx)
+    if top >= logits.shape[-1]:
+      raise ValueError(f"logits have E={logits.shape[-1]} entries but a token id "
+                       f"is {top}: the model's vocab_size must be at least the "
+                       "tokenizer's vocab_size.")
     for row, i in enumerate(idx):
       seq, mask = np.asarray(sequences[i]), np.asarray(target_masks[i], bool)
       if mask.shape != seq.shape or (mask.size and mask[0]):

@@ -3,15 +3,18 @@
 Deliberately written differently from the Flax model so the two can check each
 other: a Python loop over layers, RoPE through complex numbers, K/V heads
 repeated explicitly for GQA, the mask built token by token from the definitions,
-everything in float32. Reads the scanned params layout
+everything in float32 (jitted only for test speed). Reads the scanned params layout
 (`params['layers']['layer_{i}'][...]` with a leading repeat axis).
 
 Shapes legend: B batch, T length, N q heads, K kv heads, H head dim, D d_model.
 """
 from __future__ import annotations
 
-import numpy as np
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from lctx.models.config import ModelConfig
@@ -86,23 +89,26 @@ def _mla(p, x, pos, vis, c):
 def reference_forward(params, config: ModelConfig, inputs, positions, segment_ids,
                       return_hidden: bool = False):
     """logits `[B, T, E]` float32 (or final-normed hidden `[B, T, D]`), all in f32."""
-    c = config
     params = nn.unbox(params)
     params = params.get("params", params)
-    f32 = lambda tree: {k: f32(v) if isinstance(v, dict) else jnp.asarray(v, jnp.float32)
-                        for k, v in tree.items()}
-    params = f32(dict(params))
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dict(params))
+    masks = tuple(_mask(segment_ids, positions, w) for w in config.attention_pattern)
+    return _forward(params, config, jnp.asarray(inputs), jnp.asarray(positions), masks,
+                    return_hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 5))
+def _forward(params, c, inputs, positions, masks, return_hidden):
     x = params["embedding"][inputs]
-    masks = {w: _mask(segment_ids, positions, w) for w in set(c.attention_pattern)}
     attn = _mla if c.attention == "mla" else _gqa
     for layer in range(c.num_layers):
         rep, i = divmod(layer, len(c.attention_pattern))
         p = _take(params["layers"][f"layer_{i}"], rep)
-        vis = masks[c.attention_pattern[i]]
+        vis = masks[i]
         x = x + attn(p["attention"], _rms(x, p["attn_norm"]["scale"], c.norm_eps), positions, vis, c)
         h = _rms(x, p["mlp_norm"]["scale"], c.norm_eps)
         m = p["mlp"]
-        x = x + (jnp.asarray(_silu(h @ m["wi_gate"])) * (h @ m["wi_up"])) @ m["wo"]
+        x = x + (_silu(h @ m["wi_gate"]) * (h @ m["wi_up"])) @ m["wo"]
     x = _rms(x, params["final_norm"]["scale"], c.norm_eps)
     if return_hidden:
         return x

@@ -1,15 +1,30 @@
 """Attention and loss kernels: flash attention (+ reference), chunked loss and MLP.
 
-Imports nothing else from lctx.
+Imports nothing else from lctx. See docs/contracts.md for the signatures.
 """
+from lctx.kernels.backends import BACKENDS, flash_attention, splash_attention, xla_attention
+from lctx.kernels.blockwise import (
+    attention_block_backward,
+    attention_block_forward,
+    blockwise_attention,
+    blockwise_block_counts,
+)
 from lctx.kernels.chunked import chunked_cross_entropy, chunked_mlp, reference_cross_entropy
 from lctx.kernels.masking import MASKED_LSE
 from lctx.kernels.reference import reference_attention
 
 __all__ = [
+    "BACKENDS",
     "MASKED_LSE",
+    "attention_block_backward",
+    "attention_block_forward",
+    "blockwise_attention",
+    "blockwise_block_counts",
     "chunked_cross_entropy",
     "chunked_mlp",
+    "flash_attention",
     "reference_attention",
     "reference_cross_entropy",
+    "splash_attention",
+    "xla_attention",
 ]

@@ -235,3 +235,61 @@ def test_params_carry_logical_names_and_shard_on_a_mesh(overrides):
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         got = jax.jit(model.apply)(params, inputs, pos, seg)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flops_and_params_hand_count():
+    c = tiny()  # D 64, 2 layers, N 4, K 2, H 16, F 128, E 256
+    seq = 8
+    qkv, out, mlp = 2 * 64 * (4 + 2 * 2) * 16, 2 * 64 * 4 * 16, 2 * 64 * 128 * 3
+    attn = 4 * (seq / 2) * 4 * 16  # causal: half the keys
+    forward = 2 * (qkv + out + mlp + attn) + 2 * 64 * 256
+    assert c.flops_per_token(seq, training=False) == forward
+    assert c.flops_per_token(seq) == 3 * forward
+    assert c.flops_per_token(seq, causal=False, training=False) == forward + 2 * attn
+    # Window 2 of 8 causal keys: mean of min(p, 2) over p in [0, 8) = 2 - 4/16.
+    w = tiny(attention_pattern=(2, None))
+    assert w.flops_per_token(seq, training=False) == forward - 4 * (4 - 1.75) * 4 * 16
+    m = tiny(**dict(MLA, q_lora_rank=8))  # D 64, N 4, Q 8, C 16, nope 8, R 4, V 12
+    mla_proj = 64 * 8 + 8 * 4 * 12 + 64 * (16 + 4) + 16 * 4 * (8 + 12) + 4 * 12 * 64
+    mla_attn = 2 * (seq / 2) * 4 * (12 + 12)
+    assert m.flops_per_token(seq, training=False) == (
+        2 * (2 * mla_proj + mla_attn + mlp) + 2 * 64 * 256)
+    _, params = _init(m)
+    n_params = sum(x.size for x in jax.tree.leaves(nn.unbox(params)))
+    assert m.num_params() == n_params
+    assert m.num_params(include_embedding=False) == n_params - 256 * 64
+    _, params = _init(tiny(tie_embeddings=True))
+    assert tiny(tie_embeddings=True).num_params() == sum(
+        x.size for x in jax.tree.leaves(nn.unbox(params)))
+
+
+def test_flops_match_compiled_cost_analysis():
+    # Matmul-dominated shape; the plain attention computes every (query, key) pair,
+    # so it is compared with the non-causal count. Unrolled layers: XLA's cost
+    # analysis counts a while-loop (scan) body once, not once per iteration.
+    c = tiny(d_model=128, mlp_dim=512, vocab_size=512, num_heads=4, num_kv_heads=2,
+             head_dim=32, scan_layers=False)
+    model, params = _init(c)
+    inputs, pos, seg = _batch()
+    cost = jax.jit(model.apply).lower(params, inputs, pos, seg).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    want = c.flops_per_token(T, causal=False, training=False) * B * T
+    assert 0.9 < cost["flops"] / want < 1.25, (cost["flops"], want)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_offload_policy_moves_layer_inputs_to_host(scan):
+    # Tracing only: the backward's saved layer inputs live in host memory
+    # (jaxpr type f32<host>), one [B, T, D] per layer, stacked over the scan.
+    config = tiny(num_layers=4, attention_pattern=(None, None), remat_policy="offload_layer_inputs",
+                  scan_layers=scan)
+    model = Transformer(config)
+    inputs, pos, seg = _batch()
+    params = jax.eval_shape(model.init, jax.random.key(0), inputs, pos, seg)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: model.apply(p, inputs, pos, seg).sum()))(params))
+    want = "f32<host>[2,2,12,64]" if scan else "f32<host>[2,12,64]"
+    assert want in jaxpr
+    no_offload = dataclasses.replace(config, remat_policy="full")
+    jaxpr = str(jax.make_jaxpr(jax.grad(
+        lambda p: Transformer(no_offload).apply(p, inputs, pos, seg).sum()))(params))
+    assert "<host>" not in jaxpr

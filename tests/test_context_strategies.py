@@ -142,7 +142,8 @@ def test_attention_fn_in_jit_on_reordered_batch_sharded_over_data():
     zz = lambda x: zigzag_reorder(x, ring, axis=1)  # noqa: E731
     seg_z, pos_z = zz(seg), zz(pos)  # host numpy, like the data pipeline
     assert isinstance(seg_z, np.ndarray)
-    attn = make_attention_fn(mesh, "ring", load_balance=True)
+    # sub_chunks=2: the per-hop split that skips half-chunk pairs independently.
+    attn = make_attention_fn(mesh, "ring", load_balance=True, sub_chunks=2)
     shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))  # noqa: E731
     qz, kz, vz, wz = (shard(zz(x)) for x in (q, k, v, w))
 

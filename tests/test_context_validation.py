@@ -97,7 +97,7 @@ def test_zigzag_other_axis_and_bad_length():
 def test_zigzag_balances_causal_ring_blocks():
     """Counted with the same skip test the ring uses: ~2x imbalance -> 1.0."""
     t, p = 64, 8
-    cfg = AttnConfig(causal=True)
+    cfg = AttnConfig(causal=True, sub_chunks=2)
     pos = np.arange(t)[None]
     seg = np.ones((1, t), np.int32)
     plain = count_ring_blocks(seg, pos, ring_size=p, cfg=cfg)
@@ -106,7 +106,7 @@ def test_zigzag_balances_causal_ring_blocks():
     assert plain.max() / plain.mean() > 1.7
     assert zz.max() / zz.mean() <= 1.1
     assert zz.sum() == plain.sum()  # same work, just spread evenly
-    full = count_ring_blocks(seg, pos, ring_size=p, cfg=AttnConfig(causal=False))
+    full = count_ring_blocks(seg, pos, ring_size=p, cfg=AttnConfig(causal=False, sub_chunks=2))
     assert full.min() == full.max() == 4 * p
 
 

@@ -5,9 +5,10 @@ chunk (in whatever order the batch is in: natural or zigzag; masks come from the
 carried positions and segment ids, never from indices). Forward: a scan over P
 hops; at every hop the next K/V (+ ids, positions) ppermute is issued before this
 hop's compute so XLA can overlap them; partial results merge through their lse.
-Each hop is cut into sub_chunks x sub_chunks block pairs, and a pair whose keys are
-all masked for these queries (run-time min/max of positions and ids) is skipped
-with lax.cond. Backward (custom_vjp): K/V rotate again, dQ accumulates locally and
+A hop whose visiting keys are all masked for these queries (run-time min/max of
+positions and ids) is skipped with lax.cond; optionally (cfg.sub_chunks > 1) each
+hop is cut into sub_chunks x sub_chunks pairs skipped independently. Inside a hop
+the kernel's block functions skip masked blocks themselves. Backward (custom_vjp): K/V rotate again, dQ accumulates locally and
 dK/dV travel with their block until they arrive back at the owner.
 
 Local shapes: q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]` (V may differ

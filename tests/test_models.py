@@ -293,3 +293,18 @@ def test_offload_policy_moves_layer_inputs_to_host(scan):
     jaxpr = str(jax.make_jaxpr(jax.grad(
         lambda p: Transformer(no_offload).apply(p, inputs, pos, seg).sum()))(params))
     assert "<host>" not in jaxpr
+
+
+def test_llama3_8b_preset_shapes_without_memory():
+    from lctx.models import llama3_8b
+
+    config = llama3_8b(dtype="bfloat16")
+    inputs = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    model = Transformer(config)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), inputs, inputs, inputs)
+    n_params = sum(x.size for x in jax.tree.leaves(nn.unbox(shapes)))
+    assert n_params == config.num_params()
+    assert round(n_params / 1e9, 2) == 8.03  # Llama-3.1-8B's published count
+    wq = shapes["params"]["layers"]["layer_0"]["attention"]["wq"]
+    assert wq.value.shape == (32, 4096, 32, 128)
+    assert wq.names == ("layers", "embed", "heads", "head_dim")

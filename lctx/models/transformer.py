@@ -54,8 +54,15 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, segment_ids, positions):
-        for i, window in enumerate(self.config.attention_pattern):
-            x = DecoderLayer(self.config, self.attention_fn, window, name=f"layer_{i}")(
+        c = self.config
+        layer_cls = DecoderLayer
+        if c.remat_policy != "none":
+            # Per layer, so 'full' keeps one input per layer rather than per block.
+            # prevent_cse is only needed outside scan (scan already blocks CSE).
+            layer_cls = nn.remat(DecoderLayer, policy=remat_policy(c.remat_policy),
+                                 prevent_cse=not c.scan_layers)
+        for i, window in enumerate(c.attention_pattern):
+            x = layer_cls(c, self.attention_fn, window, name=f"layer_{i}")(
                 x, segment_ids, positions)
         return x, None  # (carry, per-step output) for nn.scan
 
@@ -96,21 +103,16 @@ class Transformer(nn.Module):
                           ("vocab", "embed"), c.param_dtype)
         x = constrain(jnp.take(embedding, inputs, axis=0).astype(c.dtype), _ACT)  # [B, T, D]
 
-        block = Block
-        if c.remat_policy != "none":
-            # prevent_cse is only needed outside scan (scan already blocks CSE).
-            block = nn.remat(Block, policy=remat_policy(c.remat_policy),
-                             prevent_cse=not c.scan_layers)
         if c.scan_layers:
             stack = nn.scan(
-                block, variable_axes={"params": 0}, split_rngs={"params": True},
+                Block, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast), length=c.num_repeats,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, _ = stack(c, self.attention_fn, name="layers")(x, segment_ids, positions)
         else:
             for r in range(c.num_repeats):
-                x, _ = block(c, self.attention_fn, name=f"layers_{r}")(x, segment_ids, positions)
+                x, _ = Block(c, self.attention_fn, name=f"layers_{r}")(x, segment_ids, positions)
 
         x = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="final_norm")(x)
         if return_hidden:

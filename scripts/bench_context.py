@@ -173,7 +173,7 @@ def build(name, t, heads, head_dim, block, sub_chunks=2):
     seg = np.ones((1, t), np.int32)
     pos = np.arange(t, dtype=np.int32)[None]
     if lb:
-        seg, pos = (zigzag_reorder(x, shape[0] * shape[1]) for x in (seg, pos))
+        seg, pos = (zigzag_reorder(x, shape[0]) for x in (seg, pos))  # ring = context
 
     def loss(q, k, v, w, seg, pos):
         out = attn(q, k, v, segment_ids=seg, positions=pos, causal=True)

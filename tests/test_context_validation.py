@@ -56,6 +56,8 @@ def test_valid_configurations_pass(strategy, mesh, lb):
      r"\[odd-ring-load-balance\].*got 3"),
     ("ring", {"context": 8}, True, {"seq_len": 72},
      r"\[seq-divisible\].*\(72\).*2 x 8 = 16"),
+    ("usp", {"context": 2, "context_ulysses": 2}, True, {"seq_len": 42},
+     r"\[seq-divisible\].*\(42\).*context\) = 2 x 2 = 4"),
     ("ring", {"context": 8}, False, {"seq_len": 60},
      r"\[seq-divisible\].*\(60\).*degree 8"),
     ("usp", {"context": 2, "context_ulysses": 2}, False, {"seq_len": 30},

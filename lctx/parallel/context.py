@@ -27,6 +27,7 @@ from lctx.parallel.ring import ring_attention_local
 from lctx.parallel.ulysses import ulysses_attention_local, usp_attention_local
 from lctx.parallel.validation import (
     STRATEGIES,
+    default_load_balance,
     validate_context_parallel,
     zigzag_ring_size,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "STRATEGIES",
     "choose_strategy",
     "context_attention",
+    "default_load_balance",
     "make_attention_fn",
     "mesh_shape_of",
     "validate_context_parallel",
@@ -154,8 +156,8 @@ def context_attention(q, k, v, *, mesh, strategy: str, segment_ids=None, causal=
       q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]`; segment_ids `[B, T]` (0 =
       padding; None: one segment); positions `[B, T]` (None: arange).
       strategy: 'all_gather' | 'ulysses' | 'ring' | 'usp' | 'auto'.
-      load_balance: zigzag-reorder over context x context_ulysses shards before, and
-        undo it after (the training path instead gets pre-reordered batches).
+      load_balance: zigzag-reorder with ring size = context before, and undo it
+        after (the training path instead gets pre-reordered batches).
     Returns:
       out `[B, T, N, V]` in natural order.
     """

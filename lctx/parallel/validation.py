@@ -17,14 +17,18 @@ def context_degrees(mesh_shape: dict) -> tuple[int, int]:
 
 
 def zigzag_ring_size(mesh_shape: dict) -> int:
-    """Number of sequence shards the zigzag reorder is done for: context x context_ulysses.
+    """The ring size P the zigzag reorder uses: the `context` axis size.
 
-    The sequence is sharded over (context, context_ulysses), so device index
-    c * U + u holds chunks r and 2R-1-r with r = c * U + u; each usp ring group
-    then holds a mirrored pair of ranges and the ring stays balanced.
+    Chunk pair (r, 2P-1-r) lands on ring position r. For usp the pair is further
+    split over the context_ulysses devices of ring group r, whose all-to-all puts it
+    back together, so every ring group holds one early and one late chunk.
     """
-    c, u = context_degrees(mesh_shape)
-    return c * u
+    return context_degrees(mesh_shape)[0]
+
+
+def default_load_balance(strategy: str, causal: bool = True) -> bool:
+    """Zigzag is on by default for causal ring and usp, off otherwise."""
+    return bool(causal) and strategy in ("ring", "usp")
 
 
 def validate_context_parallel(
@@ -100,16 +104,15 @@ def validate_context_parallel(
                 "[ulysses-load-balance] ulysses work is already balanced (every device "
                 "sees the full sequence); load_balance must be False"
             )
-        ring = c if strategy in ("ring", "usp") else degree
-        if ring % 2 != 0:
+        if c % 2 != 0:
             raise ValueError(
-                f"[odd-ring-load-balance] zigzag load balancing needs an even ring size; "
-                f"got {ring}"
+                f"[odd-ring-load-balance] zigzag load balancing needs an even ring size "
+                f"(context); got {c}"
             )
-        if seq_len % (2 * degree) != 0:
+        if seq_len % (2 * c) != 0:
             raise ValueError(
                 f"[seq-divisible] with load balancing the sequence length ({seq_len}) must "
-                f"be divisible by 2 x context degree = 2 x {degree} = {2 * degree}"
+                f"be divisible by 2 x ring size (context) = 2 x {c} = {2 * c}"
             )
     if seq_len % degree != 0:
         raise ValueError(

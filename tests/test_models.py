@@ -1,5 +1,6 @@
 """lctx.models against the plain reference forward, packing, patterns, scan, remat."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,9 @@ def test_matches_reference_forward(name, overrides):
     np.testing.assert_allclose(logits, want, rtol=2e-4, atol=2e-4)
     hidden = model.apply(params, inputs, pos, seg, return_hidden=True)
     assert hidden.shape == (B, T, config.d_model)
+    init_hidden = jax.eval_shape(functools.partial(model.init, return_hidden=True),
+                                 jax.random.key(0), inputs, pos, seg)
+    assert jax.tree.structure(init_hidden) == jax.tree.structure(params)
     np.testing.assert_allclose(hidden @ unembed_matrix(params, config), logits, rtol=1e-5,
                                atol=1e-5)
 

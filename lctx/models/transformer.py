@@ -115,12 +115,10 @@ class Transformer(nn.Module):
                 x, _ = Block(c, self.attention_fn, name=f"layers_{r}")(x, segment_ids, positions)
 
         x = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="final_norm")(x)
+        # Created even for return_hidden, so init with either output has every param.
+        w = embedding.T if c.tie_embeddings else Unembed(c, name="unembed")()  # [D, E]
         if return_hidden:
             return x
-        if c.tie_embeddings:
-            w = embedding.T
-        else:
-            w = Unembed(c, name="unembed")()
         logits = jnp.einsum("BTD,DE->BTE", x, w.astype(c.dtype))
         return constrain(logits.astype(jnp.float32), ("act_batch", "act_seq", "act_vocab"))
 

@@ -112,6 +112,8 @@ def bench_one(t, mode, args, rate):
         fb = _fwd_bwd(fn)
         temp = fb.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
         row[f"{name}_temp_bytes"] = int(temp)
+        if args.memory_only:
+            continue
         if name != "lctx" and (args.no_baselines or temp > args.baseline_mem_gb * 2 ** 30):
             row[f"{name}_skipped"] = f"temp {temp / 2 ** 30:.1f} GiB > --baseline-mem-gb"
             continue
@@ -120,6 +122,10 @@ def bench_one(t, mode, args, rate):
         print(f"  T={t} {mode} {name}: fwd {row[f'{name}_fwd_s']:.3f}s "
               f"fwd+bwd {row[f'{name}_fwdbwd_s']:.3f}s temp {temp / 2 ** 20:.0f} MiB",
               flush=True)
+    qkvo = 4 * t * (n + kh + kh + n) * h
+    row["lctx_temp_over_qkvo"] = row["lctx_temp_bytes"] / qkvo
+    if args.memory_only:
+        return row
     row["lctx_fwd_gflops"] = fwd_flops / row["lctx_fwd_s"] / 1e9
     row["lctx_fwdbwd_gflops"] = 3 * fwd_flops / row["lctx_fwdbwd_s"] / 1e9
     row["lctx_fwd_vs_matmul"] = row["lctx_fwd_gflops"] * 1e9 / rate
@@ -128,13 +134,21 @@ def bench_one(t, mode, args, rate):
         if f"{base}_fwdbwd_s" in row:
             row[f"speedup_vs_{base}_fwd"] = row[f"{base}_fwd_s"] / row["lctx_fwd_s"]
             row[f"speedup_vs_{base}_fwdbwd"] = row[f"{base}_fwdbwd_s"] / row["lctx_fwdbwd_s"]
-    qkvo = 4 * t * (n + kh + kh + n) * h
-    row["lctx_temp_over_qkvo"] = row["lctx_temp_bytes"] / qkvo
     return row
 
 
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
+
+
+def print_memory_table(rows):
+    names = [k[:-len("_temp_bytes")] for k in rows[0] if k.endswith("_temp_bytes")]
+    print(f"{'T':>6} {'mode':>6} " + " ".join(f"{n + ' MiB':>24}" for n in names)
+          + f" {'lctx/qkvo':>10}")
+    for r in rows:
+        print(f"{r['T']:>6} {r['mode']:>6} "
+              + " ".join(f"{r[n + '_temp_bytes'] / 2 ** 20:>24.1f}" for n in names)
+              + f" {r['lctx_temp_over_qkvo']:>10.2f}")
 
 
 def print_table(rows, rate):
@@ -166,8 +180,10 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--block-q", type=int, default=512)
     p.add_argument("--block-kv", type=int, default=512)
-    p.add_argument("--baseline-mem-gb", type=float, default=8.0)
+    p.add_argument("--baseline-mem-gb", type=float, default=12.0)
     p.add_argument("--no-baselines", action="store_true", help="report baseline memory only")
+    p.add_argument("--memory-only", action="store_true",
+                   help="compile only: temp bytes of every implementation, no timing")
     p.add_argument("--out", default="bench_results/attention.json")
     args = p.parse_args()
     if args.quick:
@@ -177,9 +193,16 @@ def main():
     else:  # tokamax reads absl flags from sys.argv; ours are argparse's
         from absl import flags
         flags.FLAGS(sys.argv[:1], known_only=True)
-    rate_before = matmul_rate()
+    rate_before = 0.0 if args.memory_only else matmul_rate()
     rows = [bench_one(t, m, args, rate_before) for t in args.lengths
             for m in args.modes.split(",")]
+    if args.memory_only:
+        print_memory_table(rows)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(memory_only=True, jax_version=jax.__version__, rows=rows), f, indent=1)
+        print(f"wrote {args.out}")
+        return
     rate_after = matmul_rate()
     rate = max(rate_before, rate_after)
     for r in rows:  # re-normalise with the conservative (higher) rate

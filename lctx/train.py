@@ -28,6 +28,15 @@ from lctx.trainer import TrainConfig, Trainer
 MODES = ("train", "eval", "train_and_eval", "inspect_data")
 
 
+def _register_task_sources():
+  # The retrieval tasks join the data mixture as `retrieval_<task>` sources.
+  from lctx.evals import mixture  # pylint: disable=g-import-not-at-top
+  mixture.register_retrieval_sources()
+
+
+_register_task_sources()
+
+
 @dataclasses.dataclass(frozen=True)
 class Experiment:
   """Everything one run needs; bound by gin in lctx/configs.py."""

@@ -4,6 +4,7 @@ Public entry points (see each docstring):
   DataConfig, make_iterator, make_dataset   the training/eval batch stream
   inspect_data                              packing report (main.py --mode=inspect_data)
   make_tokenizer_for, load_documents        tokenizer and held-out texts for evals
+  register_task_source                      synthetic sources defined above data
   make_tokenizer, ByteTokenizer, SentencePieceTokenizer
   prepare_text_corpus, open_text_corpus, open_tfds   document sources
 
@@ -19,6 +20,7 @@ _EXPORTS = {
     "open_tfds": "sources", "prepare_text_corpus": "sources",
     "DataConfig": "pipeline", "make_dataset": "pipeline", "make_iterator": "pipeline",
     "make_tokenizer_for": "pipeline", "load_documents": "pipeline",
+    "register_task_source": "pipeline", "task_source_names": "pipeline",
     "inspect_data": "inspect",
 }
 __all__ = sorted(_EXPORTS)

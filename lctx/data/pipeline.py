@@ -25,6 +25,27 @@ from lctx.data import synthetic
 from lctx.data.tokenizers import make_tokenizer
 
 SOURCE_KINDS = ("text", "tfds", "copy")
+# Synthetic task sources registered from outside lctx.data (e.g. the retrieval
+# tasks of lctx.evals), so data never imports the packages above it.
+_TASK_SOURCES: dict[str, Callable[..., tuple[np.ndarray, np.ndarray]]] = {}
+
+
+def register_task_source(name: str, make_document: Callable[..., tuple[np.ndarray, np.ndarray]]
+                         ) -> None:
+  """Registers a synthetic source usable in `DataConfig.sources`.
+
+  make_document(index, *, seed, split, max_tokens, tokenizer) returns
+  (tokens int32 [L], target_mask float32 [L]) with L <= max_tokens + 1, the same
+  layout as the copy task: a pure function of its arguments, so the source is
+  random access, deterministic and shards by index.
+  """
+  if name in SOURCE_KINDS:
+    raise ValueError(f"task source name {name!r} collides with a built-in source.")
+  _TASK_SOURCES[name] = make_document
+
+
+def task_source_names() -> tuple[str, ...]:
+  return tuple(_TASK_SOURCES)
 _COPY_TASK_SIZE = 2**31 - 1  # documents per epoch of the (endless) copy task
 
 
@@ -88,8 +109,9 @@ class DataConfig:
     if not self.sources:
       raise ValueError("DataConfig.sources is empty; use e.g. ('text',) or ('copy',).")
     for s in self.sources:
-      if s not in SOURCE_KINDS:
-        raise ValueError(f"unknown data source {s!r}; expected one of {SOURCE_KINDS}.")
+      if s not in SOURCE_KINDS and s not in _TASK_SOURCES:
+        raise ValueError(f"unknown data source {s!r}; expected one of "
+                         f"{SOURCE_KINDS + task_source_names()}.")
     if len(set(self.sources)) != len(self.sources):
       raise ValueError(f"DataConfig.sources has duplicates: {self.sources}.")
     if self.weights and len(self.weights) != len(self.sources):
@@ -148,6 +170,16 @@ def _source_dataset(config: DataConfig, kind: str, *, split: str, seq_len: int,
     ds = grain.MapDataset.range(_COPY_TASK_SIZE)
     # Shard by index first so the processes' documents are disjoint.
     ds = ds[process_index::process_count].map(make_copy)
+  elif kind in _TASK_SOURCES:
+    make_document = _TASK_SOURCES[kind]
+
+    def make_task(index: int) -> dict[str, np.ndarray]:
+      tokens, mask = make_document(index, seed=seed, split=split, max_tokens=seq_len,
+                                   tokenizer=tokenizer)
+      return {"tokens": np.asarray(tokens, np.int32),
+              "target_mask": np.asarray(mask, np.float32)}
+    ds = grain.MapDataset.range(_COPY_TASK_SIZE)[process_index::process_count]
+    ds = ds.map(make_task)
   else:
     source = document_source(config, kind, split)
     if len(source) < process_count:

@@ -110,7 +110,8 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
 
 
 def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, float]:
-  """Flat scalars per task: acc (main, all cells), acc_len{L} and
+  """Flat scalars per task: acc (main, all cells), token_acc (teacher-forced
+  per-token answer accuracy), acc_len{L} and
   min_acc_len{L} (mean / worst depth at length L), removed_acc,
   held_out_acc, loglik, and window_gap (mean answer log-likelihood lost when
   the context is cut to the window: > 0 means distant context is used)."""
@@ -125,6 +126,8 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
     if main:
       out[f"{p}/acc"] = mean(main, "accuracy")
       out[f"{p}/loglik"] = mean(main, "loglik")
+      # Partial credit: shows learning before whole answers come out right.
+      out[f"{p}/token_acc"] = mean(main, "token_acc")
       for length in sorted({r["length"] for r in main}):
         at = [r for r in main if r["length"] == length]
         out[f"{p}/acc_len{length}"] = mean(at, "accuracy")

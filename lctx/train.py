@@ -108,6 +108,7 @@ def evaluate_retrieval(exp: Experiment, trainer: Trainer, state, workdir: str,
 # ----------------------------------------------------------------------------
 def train_loop(exp: Experiment, trainer: Trainer, state, train_iter,
                checkpointer: ckpt_lib.Checkpointer, writer, workdir: str):
+  """Trains to `steps`; returns (state, whether the last step evaluated)."""
   cfg = exp.train
   peak, peak_source = metrics_lib.peak_flops_per_device()
   logging.info("Peak FLOP/s per device: %.3g (%s)", peak, peak_source)
@@ -121,7 +122,7 @@ def train_loop(exp: Experiment, trainer: Trainer, state, train_iter,
   step = int(jax.device_get(state["step"]))
   if step >= cfg.steps:
     logging.info("Nothing to train: step %d >= steps %d.", step, cfg.steps)
-    return state
+    return state, False
   logging.info("Training %s from step %d to %d (%d tokens/step).",
                trainer.strategy, step, cfg.steps, cfg.batch_size * cfg.seq_len)
   window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
@@ -160,18 +161,28 @@ def train_loop(exp: Experiment, trainer: Trainer, state, train_iter,
           record["grad_norm"], record["learning_rate"], tps, tflops,
           100 * record["mfu"])
       window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
-    if cfg.eval_every and step % cfg.eval_every == 0 and not last:
+    # Held-out loss every eval_every steps and at the end; retrieval evals
+    # every retrieval_eval_every steps and at the end, when configured.
+    if cfg.eval_every and (step % cfg.eval_every == 0 or last):
       ev = evaluate_loss(exp, trainer, state)
       writer.write(step, ev)
       logging.info("step %d | eval loss %.4f", step, ev["eval/loss"])
-    if (cfg.retrieval_eval_every and step % cfg.retrieval_eval_every == 0
-        and not last):
-      writer.write(step, evaluate_retrieval(exp, trainer, state, workdir,
-                                            step))
+    if exp.evals is not None and (last or (
+        cfg.retrieval_eval_every and step % cfg.retrieval_eval_every == 0)):
+      results = evaluate_retrieval(exp, trainer, state, workdir, step)
+      writer.write(step, results)
+      logging.info("step %d | retrieval %s", step, _summary(results))
     if checkpointer.should_save(step, final=last):
       checkpointer.save(step, state, train_iter.get_state(), _meta(exp))
       t_window = time.perf_counter()  # do not bill the save to throughput
-  return state
+  # The last step ran the held-out loss (if eval_every) and the retrieval
+  # evals (if configured); train_and_eval need not repeat them.
+  return state, bool(cfg.eval_every) or exp.evals is not None
+
+
+def _summary(results: dict[str, float], limit: int = 8) -> str:
+  keys = sorted(k for k in results if k.endswith("/acc") or "acc" in k)
+  return ", ".join(f"{k}={results[k]:.2f}" for k in keys[:limit])
 
 
 def run(mode: str, workdir: str, exp: Experiment) -> None:
@@ -210,10 +221,11 @@ def run(mode: str, workdir: str, exp: Experiment) -> None:
 
   writer = metrics_lib.MetricWriter(workdir)
   try:
+    evaluated = False
     if mode in ("train", "train_and_eval"):
-      state = train_loop(exp, trainer, state, train_iter, checkpointer,
-                         writer, workdir)
-    if mode in ("eval", "train_and_eval"):
+      state, evaluated = train_loop(exp, trainer, state, train_iter,
+                                    checkpointer, writer, workdir)
+    if mode == "eval" or (mode == "train_and_eval" and not evaluated):
       step = int(jax.device_get(state["step"]))
       results = evaluate_loss(exp, trainer, state)
       logging.info("step %d | eval loss %.4f", step, results["eval/loss"])

@@ -227,6 +227,9 @@ class Trainer:
         "step": jnp.zeros((), jnp.int32),
         "params": params,
         "opt_state": self.tx.init(params),
+        # Raw key data (checkpointable as a plain array); split every step
+        # for stochastic layers and data-dependent noise.
+        "rng": jax.random.key_data(jax.random.fold_in(rng, 1)),
     }
 
   def init_state(self, seed: int):
@@ -256,8 +259,9 @@ class Trainer:
     updates, opt_state = self.tx.update(grads, state["opt_state"],
                                         state["params"])
     params = optax.apply_updates(state["params"], updates)
+    rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
     new_state = {"step": state["step"] + 1, "params": params,
-                 "opt_state": opt_state}
+                 "opt_state": opt_state, "rng": jax.random.key_data(rng)}
     metrics = {"loss": aux["loss"], "tokens": aux["tokens"],
                "grad_norm": optax.global_norm(grads),
                "learning_rate": self.schedule(state["step"])}

@@ -48,6 +48,18 @@ class Blocked(NamedTuple):
     kv_seg: jnp.ndarray | None  # [nk, bk]
 
 
+def _varying_like(x, *refs):
+    """Marks a fresh loop carry (zeros) as varying over the same shard_map mesh axes
+    as the inputs, so lax loops type-check inside shard_map (a no-op outside)."""
+    axes = set()
+    for r in refs:
+        if r is not None:
+            aval = jax.typeof(r)
+            mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older: aval.vma
+            axes |= set(mat.varying if mat is not None else getattr(aval, "vma", ()) or ())
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
 def _elem_mask(cfg: Cfg, qp, qs, kp, ks):
     """Visibility `[bq, bk]` for one block pair (same rules as masking.dense_mask)."""
     qp, kp = qp[:, None], kp[None, :]
@@ -121,6 +133,7 @@ def _forward_example(cfg: Cfg, qb, kb, vb, bl: Blocked):
         # m starts finite so rows that never see a key give exp(-inf - m) = 0, not NaN.
         init = (jnp.full((kh, rows), MASKED_LSE, _F32), jnp.zeros((kh, rows), _F32),
                 jnp.zeros((kh, rows, vd), _F32), jnp.zeros((2,), jnp.int32))
+        init = tuple(_varying_like(x, q_i, kb, vb, *bl) for x in init)
         m, l, acc, counts = jax.lax.fori_loop(0, count, kv_step, init)
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
@@ -184,6 +197,8 @@ def _backward_example(cfg: Cfg, qb, kb, vb, dob, lse, delta, bl: Blocked):
 
         init = (dq, jnp.zeros(k_j.shape, _F32).swapaxes(1, 2),
                 jnp.zeros(v_j.shape, _F32).swapaxes(1, 2))
+        init = (dq,) + tuple(_varying_like(x, qb, kb, vb, dob, lse, delta, *bl)
+                             for x in init[1:])
         dq, dk_t, dv_t = jax.lax.fori_loop(0, count, q_step, init)
         return dq, (dk_t.swapaxes(1, 2), dv_t.swapaxes(1, 2))
 
@@ -194,7 +209,7 @@ def _backward_example(cfg: Cfg, qb, kb, vb, dob, lse, delta, bl: Blocked):
         k_j, v_j, kp, ks, order, count, full_col = x
         return kv_block(dq, (k_j, v_j, kp, ks if has_seg else None, order, count, full_col))
 
-    dq0 = jnp.zeros(qb.shape, _F32)
+    dq0 = _varying_like(jnp.zeros(qb.shape, _F32), qb, kb, vb, dob, lse, delta, *bl)
     dq, (dk, dv) = jax.lax.scan(body, dq0, (kb, vb, bl.kv_pos, kv_seg, q_order, q_count, full_t))
     del nq
     return dq, dk, dv

@@ -186,6 +186,9 @@ def test_bad_inputs_raise_clear_errors():
         flash_attention(q, k, v, backend="cudnn", return_lse=True)
     with pytest.raises(ValueError, match="multiples of 128"):
         flash_attention(q, k, v, backend="splash")
+    q, k, v = _qkv(1, 128, 128, 4, 2, 8)
+    with pytest.raises(ValueError, match="positions_in_order=True"):
+        flash_attention(q, k, v, backend="splash", q_positions=np.arange(128))
 
 
 def test_temp_memory_is_linear_in_length():

@@ -5,9 +5,9 @@
 - "xla": `jax.nn.dot_product_attention(implementation="xla")` with a dense mask
   (a baseline: materialises the logits; no lse).
 - "splash": TPU Pallas splash attention (segment ids; causal/local masks on
-  array order, so only with default positions).
+  array order, so only with default positions or positions_in_order=True).
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` on GPU for plain
-  causal/full masks with default positions and no segments.
+  causal/full masks, bf16/fp16, no segments, default or in-order positions.
 - "auto": splash on TPU and cudnn on GPU where the call qualifies, else blockwise.
 
 Explicitly requested fast backends raise a ValueError naming the rule they
@@ -26,12 +26,13 @@ from lctx.kernels.reference import reference_attention
 BACKENDS = ("auto", "blockwise", "reference", "splash", "cudnn", "xla")
 
 
-def _splash_unsupported(q, k, v, segment_ids, q_positions, kv_positions, return_lse) -> str:
+def _splash_unsupported(q, k, v, positions_given, return_lse) -> str:
     _, t, s, _, _, h, vd = check_shapes(q, k, v)
     if return_lse:
         return "splash here does not return lse (return_lse=True)"
-    if q_positions is not None or kv_positions is not None:
-        return "splash masks on array order; explicit positions are not supported"
+    if positions_given:
+        return ("splash masks on array order; explicit positions need "
+                "positions_in_order=True")
     if t % 128 or s % 128:
         return f"splash needs q_len and kv_len multiples of 128 (got {t}, {s})"
     if h != vd:
@@ -39,15 +40,15 @@ def _splash_unsupported(q, k, v, segment_ids, q_positions, kv_positions, return_
     return ""
 
 
-def _cudnn_unsupported(q, k, v, segment_ids, q_positions, kv_positions, window_size,
-                       return_lse) -> str:
+def _cudnn_unsupported(q, k, v, segment_ids, positions_given, window_size, return_lse) -> str:
     _, t, s, _, _, h, vd = check_shapes(q, k, v)
     if return_lse:
         return "cudnn via jax.nn does not return lse (return_lse=True)"
     if segment_ids is not None:
         return "cudnn path takes no segment_ids (packing is not expressible here)"
-    if q_positions is not None or kv_positions is not None:
-        return "cudnn masks on array order; explicit positions are not supported"
+    if positions_given:
+        return ("cudnn masks on array order; explicit positions need "
+                "positions_in_order=True")
     if window_size is not None:
         return "cudnn path does not take window_size"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -128,7 +129,7 @@ def xla_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=N
 
 def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=None,
                     causal=True, window_size=None, softmax_scale=None, return_lse=False,
-                    block_q=512, block_kv=512, backend="auto"):
+                    block_q=512, block_kv=512, backend="auto", positions_in_order=False):
     """Attention without the score matrix, skipping fully masked blocks.
 
     Args/returns as `lctx.kernels.reference_attention`: q `[B, T, N, H]`, k
@@ -137,19 +138,25 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
     `[B, T, N, V]` (and lse `[B, N, T]` f32 if return_lse). Differentiable in
     q, k, v (and through lse on the blockwise backend).
     backend: one of BACKENDS (see module docstring).
+    positions_in_order: the caller promises that positions count up by one along
+      the array inside every segment, starting equal for q and kv (plain or packed
+      rows, not zigzag-reordered, not a visiting ring block). Then the array-order
+      masks of splash/cudnn are exact and those backends may be used although
+      positions were passed. Ignored by blockwise/reference/xla.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     check_shapes(q, k, v)
     common = dict(segment_ids=segment_ids, q_positions=q_positions, kv_positions=kv_positions,
                   causal=causal, window_size=window_size, softmax_scale=softmax_scale)
+    positions_given = not positions_in_order and (
+        q_positions is not None or kv_positions is not None)
     if backend == "auto":
         platform = jax.default_backend()
-        if platform == "tpu" and not _splash_unsupported(
-                q, k, v, segment_ids, q_positions, kv_positions, return_lse):
+        if platform == "tpu" and not _splash_unsupported(q, k, v, positions_given, return_lse):
             backend = "splash"
         elif platform == "gpu" and not _cudnn_unsupported(
-                q, k, v, segment_ids, q_positions, kv_positions, window_size, return_lse):
+                q, k, v, segment_ids, positions_given, window_size, return_lse):
             backend = "cudnn"
         else:
             backend = "blockwise"
@@ -163,14 +170,13 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
             raise ValueError("backend='xla' cannot return lse; use 'blockwise' or 'reference'")
         return xla_attention(q, k, v, **common)
     if backend == "splash":
-        why = _splash_unsupported(q, k, v, segment_ids, q_positions, kv_positions, return_lse)
+        why = _splash_unsupported(q, k, v, positions_given, return_lse)
         if why:
             raise ValueError(f"backend='splash': {why}")
         return splash_attention(q, k, v, segment_ids=segment_ids, causal=causal,
                                 window_size=window_size, softmax_scale=softmax_scale,
                                 block_q=block_q, block_kv=block_kv)
-    why = _cudnn_unsupported(q, k, v, segment_ids, q_positions, kv_positions, window_size,
-                             return_lse)
+    why = _cudnn_unsupported(q, k, v, segment_ids, positions_given, window_size, return_lse)
     if why:
         raise ValueError(f"backend='cudnn': {why}")
     h = q.shape[-1]

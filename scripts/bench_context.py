@@ -5,7 +5,7 @@
     python scripts/bench_context.py --quick      # 8K only, small scaling check
     python scripts/bench_context.py --time-max 131072   # also time 128K (slow)
 
-Per strategy and length (causal, MHA 8 heads x 64, float32, batch 1):
+Per strategy and length (causal, MHA 8 heads x 64, --dtype float32, batch 1):
   fwd+bwd seconds (median of --reps after a warm-up), per-device argument and temp
   bytes (compiled memory_analysis), bytes of collective results per device counted
   from the compiled HLO (ops inside scan loops x their trip count), and attention
@@ -162,7 +162,7 @@ def _lwm_attention(mesh, block):
     return lambda q, k, v, **_: fn(q, k, v)
 
 
-def build(name, t, heads, head_dim, block, sub_chunks=2):
+def build(name, t, heads, head_dim, block, sub_chunks=None, dtype=jnp.float32):
     strategy, shape, lb = VARIANTS[name]
     mesh = jax.make_mesh(shape, SEQ, axis_types=(jax.sharding.AxisType.Auto,) * 2)
     if strategy == "lwm":
@@ -181,14 +181,15 @@ def build(name, t, heads, head_dim, block, sub_chunks=2):
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     sh = NamedSharding(mesh, P(None, SEQ))
-    abstract = [jax.ShapeDtypeStruct((1, t, heads, head_dim), jnp.float32, sharding=sh)] * 4
+    abstract = [jax.ShapeDtypeStruct((1, t, heads, head_dim), dtype, sharding=sh)] * 4
     abstract += [jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sh)] * 2
     return step, abstract, (seg, pos), sh, strategy, shape
 
 
 def measure(name, t, args, timed):
     step, abstract, (seg, pos), sh, strategy, shape = build(
-        name, t, args.heads, args.head_dim, args.block, args.sub_chunks)
+        name, t, args.heads, args.head_dim, args.block, args.sub_chunks,
+        jnp.dtype(args.dtype))
     t0 = time.perf_counter()
     compiled = step.lower(*abstract).compile()
     row = {"variant": name, "tokens": t, "compile_s": round(time.perf_counter() - t0, 1)}
@@ -202,7 +203,8 @@ def measure(name, t, args, timed):
                                                                    args.block)
     if timed:
         keys = jax.random.split(jax.random.key(0), 4)
-        arrays = [jax.device_put(jax.random.normal(k_, (1, t, args.heads, args.head_dim)), sh)
+        arrays = [jax.device_put(jax.random.normal(k_, (1, t, args.heads, args.head_dim),
+                                                   jnp.dtype(args.dtype)), sh)
                   for k_ in keys] + [jax.device_put(x, sh) for x in (seg, pos)]
         for _ in range(args.warmup):
             jax.block_until_ready(compiled(*arrays))
@@ -230,8 +232,8 @@ def scaling(args):
             def loss(q, k, v, seg, pos, attn=attn):
                 return jnp.sum(attn(q, k, v, segment_ids=seg, positions=pos))
 
-            ab = [jax.ShapeDtypeStruct((1, t, args.heads, args.head_dim), jnp.float32,
-                                       sharding=sh)] * 3
+            ab = [jax.ShapeDtypeStruct((1, t, args.heads, args.head_dim),
+                                       jnp.dtype(args.dtype), sharding=sh)] * 3
             ab += [jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sh)] * 2
             mem = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*ab).compile() \
                 .memory_analysis()
@@ -256,8 +258,9 @@ def main():
     ap.add_argument("--block", type=int, default=512)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--sub-chunks", type=int, default=1,
-                    help="ring hop split into sub_chunks^2 independently skipped pairs")
+    ap.add_argument("--sub-chunks", type=int, default=None,
+                    help="ring hop split into sub_chunks^2 pairs (default: auto)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--scaling-tokens", type=int, default=4096)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="bench_context.json")

@@ -165,3 +165,22 @@ def test_smallest_context_degree_grows_with_length():
     short = smallest_context_degree(64, seq_len=1 << 16, **kw)
     long = smallest_context_degree(64, seq_len=1 << 22, **kw)
     assert 2 <= short < long <= 64
+
+
+def test_zigzag_ring_size_and_default_load_balance():
+    from lctx.parallel.validation import default_load_balance, zigzag_ring_size
+    assert zigzag_ring_size({"context": 4, "context_ulysses": 2, "data": 2}) == 4
+    assert zigzag_ring_size({"data": 8}) == 1
+    assert default_load_balance("ring") and default_load_balance("usp")
+    assert not default_load_balance("ring", causal=False)
+    assert not default_load_balance("ulysses") and not default_load_balance("all_gather")
+
+
+def test_ring_sub_chunks_bounds_the_kernel_call_length():
+    from lctx.parallel.block_ops import ring_sub_chunks
+    auto = AttnConfig()
+    assert ring_sub_chunks(auto, 4096) == 1
+    assert ring_sub_chunks(auto, 16384) == 4  # 128K tokens over 8 devices
+    assert ring_sub_chunks(auto, 3 * 8192) == 8  # 3072-token pieces
+    assert ring_sub_chunks(AttnConfig(sub_chunks=2), 16384) == 2
+    assert ring_sub_chunks(AttnConfig(sub_chunks=3), 16) == 1  # must divide

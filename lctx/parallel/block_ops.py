@@ -38,14 +38,27 @@ class AttnConfig:
     block_kv: int = 512
     backend: str = "auto"
     # Each ring hop can be split into sub_chunks x sub_chunks (q, kv) pairs that are
-    # skipped independently (with zigzag order, 2 halves causal work per hop). The
-    # lctx.kernels block functions already skip masked blocks inside a hop, and one
-    # call per hop measured faster on CPU (8K causal ring fwd+bwd 10.0 s vs 11.9 s),
-    # so 1 (skip whole hops only) is the default; use 2 with a non-skipping kernel.
-    sub_chunks: int = 1
+    # skipped independently and bound the kernel's per-call temporaries (layout
+    # copies of q/k/v/out/dout scale with the call's length). None = auto: halve
+    # until a sub-chunk has <= sub_chunk_tokens tokens. One call per hop measured
+    # fastest on CPU at 8K (ring fwd+bwd 10.0 s vs 11.9 s with 2), and at 128K
+    # 4 sub-chunks cut ring temp bytes from 418 to 341 MiB per device.
+    sub_chunks: int | None = None
+    sub_chunk_tokens: int = 4096
 
     def scale(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)
+
+
+def ring_sub_chunks(cfg: AttnConfig, length: int) -> int:
+    """How many pieces each device chunk of `length` tokens is cut into per hop."""
+    if cfg.sub_chunks is not None:
+        c = max(1, int(cfg.sub_chunks))
+        return c if length % c == 0 else 1
+    c = 1
+    while length % (2 * c) == 0 and length // c > cfg.sub_chunk_tokens:
+        c *= 2
+    return c
 
 
 def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
@@ -181,7 +194,7 @@ def count_ring_blocks(segment_ids, positions, *, ring_size: int, cfg: AttnConfig
     pos = np.asarray(positions)
     seg_d = np.split(seg, ring_size, axis=1)
     pos_d = np.split(pos, ring_size, axis=1)
-    c = cfg.sub_chunks if seg_d[0].shape[1] % cfg.sub_chunks == 0 else 1
+    c = ring_sub_chunks(cfg, seg_d[0].shape[1])
     counts = np.zeros(ring_size, dtype=np.int64)
     for r in range(ring_size):
         for step in range(ring_size):

@@ -120,7 +120,8 @@ def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions):
 
 
 def make_attention_fn(mesh, strategy: str, *, kernel_backend: str = "auto",
-                      block_q: int = 512, block_kv: int = 512, sub_chunks: int = 1,
+                      block_q: int = 512, block_kv: int = 512,
+                      sub_chunks: int | None = None,
                       load_balance: bool | None = None):
     """Builds the model's attention plug-in for one resolved strategy.
 

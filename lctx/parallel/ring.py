@@ -6,8 +6,8 @@ carried positions and segment ids, never from indices). Forward: a scan over P
 hops; at every hop the next K/V (+ ids, positions) ppermute is issued before this
 hop's compute so XLA can overlap them; partial results merge through their lse.
 A hop whose visiting keys are all masked for these queries (run-time min/max of
-positions and ids) is skipped with lax.cond; optionally (cfg.sub_chunks > 1) each
-hop is cut into sub_chunks x sub_chunks pairs skipped independently. Inside a hop
+positions and ids) is skipped with lax.cond; long chunks are cut into sub-chunks
+(cfg.sub_chunks, auto by default) whose pairs are skipped independently. Inside a hop
 the kernel's block functions skip masked blocks themselves. Backward (custom_vjp): K/V rotate again, dQ accumulates locally and
 dK/dV travel with their block until they arrive back at the owner.
 
@@ -41,8 +41,7 @@ def _varying(x, *refs):
 
 
 def _n_chunks(cfg: AttnConfig, length: int) -> int:
-    c = max(1, int(cfg.sub_chunks))
-    return c if length % c == 0 else 1
+    return block_ops.ring_sub_chunks(cfg, length)
 
 
 def _split(x, c, axis=1):

@@ -66,6 +66,7 @@ def test_oracle_scores_one_and_uniform_scores_chance(tmp_path):
     assert copy[f"eval/{task}/removed_acc"] == 1.0  # it cheats: sees the answer
     assert copy[f"eval/{task}/held_out_acc"] == 1.0
     assert uni[f"eval/{task}/acc"] == 0.0
+    assert abs(uni[f"eval/{task}/needle_gain"]) < 1e-9
   records = json.load(open(tmp_path / "u" / "evals" / "retrieval.json"))
   for r in records:
     assert r["accuracy"] <= r["chance"] + 0.05
@@ -103,6 +104,7 @@ def test_induction_model_retrieves_and_controls_fall_to_chance(tmp_path):
         if r["task"] == "passkey" and r["length"] == 512}
   assert pk[1.0] == 1.0 and pk[0.0] == 0.0
   assert metrics["eval/passkey/window_gap"] > 1.0
+  assert metrics["eval/passkey/needle_gain"] > 10.0
   assert metrics["eval/passkey/acc"] == 1.0 and metrics["eval/passkey/removed_acc"] == 0.0
 
   out = tmp_path / "evals"

@@ -112,7 +112,8 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
 def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, float]:
   """Flat scalars per task: acc (main, all cells), token_acc (teacher-forced
   per-token answer accuracy), acc_len{L} and
-  min_acc_len{L} (mean / worst depth at length L), removed_acc,
+  min_acc_len{L} (mean / worst depth at length L), removed_acc, needle_gain
+  (answer log-likelihood with minus without the needle),
   held_out_acc, loglik, and window_gap (mean answer log-likelihood lost when
   the context is cut to the window: > 0 means distant context is used)."""
   out: dict[str, float] = {}
@@ -138,6 +139,8 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
         out[f"{p}/window_gap"] = mean(win, "loglik") - mean(win, "window_loglik")
     if removed:
       out[f"{p}/removed_acc"] = mean(removed, "accuracy")
+      if main:  # answer nats the needle is worth: > 0 long before exact match
+        out[f"{p}/needle_gain"] = mean(main, "loglik") - mean(removed, "loglik")
     if held:
       out[f"{p}/held_out_acc"] = mean(held, "accuracy")
   return out

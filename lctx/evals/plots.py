@@ -108,6 +108,7 @@ def summary_markdown(records: Sequence[dict], context: dict | None,
     lines.append("")
     for key, label in (("removed_acc", "needle removed (control)"),
                        ("held_out_acc", "held-out haystack"),
+                       ("needle_gain", "answer log-lik gained from the needle (nats)"),
                        ("window_acc", "context cut to the window"),
                        ("window_gap", "answer log-lik lost without distant context")):
       k = f"eval/{task}/{key}"

@@ -179,8 +179,8 @@ def test_zigzag_ring_size_and_default_load_balance():
 def test_ring_sub_chunks_bounds_the_kernel_call_length():
     from lctx.parallel.block_ops import ring_sub_chunks
     auto = AttnConfig()
-    assert ring_sub_chunks(auto, 4096) == 1
-    assert ring_sub_chunks(auto, 16384) == 4  # 128K tokens over 8 devices
-    assert ring_sub_chunks(auto, 3 * 8192) == 8  # 3072-token pieces
+    assert ring_sub_chunks(auto, 2048) == 1
+    assert ring_sub_chunks(auto, 16384) == 8  # 128K tokens over 8 devices
+    assert ring_sub_chunks(auto, 3 * 4096) == 8  # 1536-token pieces
     assert ring_sub_chunks(AttnConfig(sub_chunks=2), 16384) == 2
     assert ring_sub_chunks(AttnConfig(sub_chunks=3), 16) == 1  # must divide

@@ -41,10 +41,10 @@ class AttnConfig:
     # skipped independently and bound the kernel's per-call temporaries (layout
     # copies of q/k/v/out/dout scale with the call's length). None = auto: halve
     # until a sub-chunk has <= sub_chunk_tokens tokens. One call per hop measured
-    # fastest on CPU at 8K (ring fwd+bwd 10.0 s vs 11.9 s with 2), and at 128K
-    # 4 sub-chunks cut ring temp bytes from 418 to 341 MiB per device.
+    # fastest on CPU at 8K (ring fwd+bwd 10.0 s vs 11.9 s with 2); at 128K on 8
+    # devices (16K-token chunks) 1/2/4/8 sub-chunks gave 418/385/341/325 MiB temp.
     sub_chunks: int | None = None
-    sub_chunk_tokens: int = 4096
+    sub_chunk_tokens: int = 2048
 
     def scale(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)

@@ -39,12 +39,13 @@ from lctx.parallel.context import make_attention_fn  # noqa: E402
 from lctx.parallel.zigzag import zigzag_reorder  # noqa: E402
 
 SEQ = ("context", "context_ulysses")
-# name -> (strategy, mesh shape over SEQ, load balance)
+# name -> (strategy, mesh shape over SEQ, load balance[, ring sub_chunks])
 VARIANTS = {
     "all_gather": ("all_gather", (8, 1), False),
     "ulysses": ("ulysses", (8, 1), False),
     "ring": ("ring", (8, 1), True),
     "ring_nolb": ("ring", (8, 1), False),
+    "ring_1sub": ("ring", (8, 1), True, 1),  # one kernel call per hop (no sub-chunks)
     "usp_4x2": ("usp", (4, 2), True),
     "lwm_ring": ("lwm", (8, 1), False),
 }
@@ -163,7 +164,8 @@ def _lwm_attention(mesh, block):
 
 
 def build(name, t, heads, head_dim, block, sub_chunks=None, dtype=jnp.float32):
-    strategy, shape, lb = VARIANTS[name]
+    strategy, shape, lb, *sub = VARIANTS[name]
+    sub_chunks = sub[0] if sub else sub_chunks
     mesh = jax.make_mesh(shape, SEQ, axis_types=(jax.sharding.AxisType.Auto,) * 2)
     if strategy == "lwm":
         attn = _lwm_attention(mesh, block)
@@ -251,7 +253,7 @@ def main():
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--time-max", type=int, default=32768,
                     help="time fwd+bwd only up to this length (longer: compile only)")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "ring_1sub"))
     ap.add_argument("--lwm-max", type=int, default=8192, help="longest length for lwm_ring")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)

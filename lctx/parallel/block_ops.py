@@ -39,12 +39,15 @@ class AttnConfig:
     backend: str = "auto"
     # Each ring hop can be split into sub_chunks x sub_chunks (q, kv) pairs that are
     # skipped independently and bound the kernel's per-call temporaries (layout
-    # copies of q/k/v/out/dout scale with the call's length). None = auto: halve
-    # until a sub-chunk has <= sub_chunk_tokens tokens. One call per hop measured
-    # fastest on CPU at 8K (ring fwd+bwd 10.0 s vs 11.9 s with 2); at 128K on 8
-    # devices (16K-token chunks) 1/2/4/8 sub-chunks gave 418/385/341/325 MiB temp.
+    # copies of q/k/v/out/dout scale with the call's length). None = auto: one call
+    # per hop up to split_above tokens (8 heads x 64 f32 on CPU: 32K causal ring
+    # fwd+bwd 76 s unsplit vs 116 s in 2048-token pieces, same run); above it,
+    # pieces of <= piece_tokens, at most max_sub_chunks (the pairs are unrolled):
+    # 16K-token chunks (128K on 8 devices) in 1/2/4/8 pieces: 418/385/341/325 MiB.
     sub_chunks: int | None = None
-    sub_chunk_tokens: int = 2048
+    split_above: int = 4096
+    piece_tokens: int = 2048
+    max_sub_chunks: int = 8
 
     def scale(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)
@@ -56,7 +59,10 @@ def ring_sub_chunks(cfg: AttnConfig, length: int) -> int:
         c = max(1, int(cfg.sub_chunks))
         return c if length % c == 0 else 1
     c = 1
-    while length % (2 * c) == 0 and length // c > cfg.sub_chunk_tokens:
+    if length <= cfg.split_above:
+        return c
+    while (length % (2 * c) == 0 and length // c > cfg.piece_tokens
+           and 2 * c <= cfg.max_sub_chunks):
         c *= 2
     return c
 

@@ -181,7 +181,7 @@ def train_loop(exp: Experiment, trainer: Trainer, state, train_iter,
 
 
 def _summary(results: dict[str, float], limit: int = 8) -> str:
-  keys = sorted(k for k in results if k.endswith("/acc") or "acc" in k)
+  keys = sorted(k for k in results if "acc" in k)
   return ", ".join(f"{k}={results[k]:.2f}" for k in keys[:limit])
 
 

@@ -9,8 +9,6 @@ import glob
 import os
 
 import gin
-import jax
-import numpy as np
 import pytest
 
 from lctx import configs, gin_utils

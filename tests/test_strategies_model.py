@@ -1,7 +1,6 @@
 """A whole-model loss and gradient step under each context-parallel strategy
 equals the single-device model with plain reference attention."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

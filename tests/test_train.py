@@ -3,12 +3,11 @@ import json
 import os
 
 import gin
-import jax
 import numpy as np
 import pytest
 
 from lctx import checkpoint as ckpt_lib
-from lctx import configs, gin_utils, models
+from lctx import configs, gin_utils, models  # noqa: F401  (configs registers the gin names)
 from lctx import train as train_lib
 from lctx.data import DataConfig
 from lctx.parallel import mesh as mesh_lib

@@ -14,7 +14,7 @@ uninterrupted stream.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import grain
 import numpy as np

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from lctx.kernels.block_map import block_map, block_stats, compact_lists
-from lctx.kernels.masking import MASKED_LSE, MaskArgs
+from lctx.kernels.masking import MASKED_LSE
 
 _F32 = jnp.float32
 

@@ -1,11 +1,10 @@
 """The attention pieces the strategies call, over `lctx.kernels`.
 
-- `attend`: full differentiable attention (flash_attention when the kernels package
-  has it, else reference_attention): all_gather and ulysses use it.
+- `attend`: full differentiable attention (`lctx.kernels.flash_attention`): all_gather
+  and ulysses use it.
 - `block_forward` / `block_backward`: one (q block, kv block) step of the ring,
-  returning (normalised out, lse) and FA2 gradients against a given global out/lse.
-  Kernel versions are used when `lctx.kernels` exports them; the jnp fallbacks here
-  are dense over the block (memory O(block^2)).
+  returning (normalised out, lse) and FA2 gradients against a given global out/lse
+  (`lctx.kernels.attention_block_forward` / `attention_block_backward`).
 - `maybe_visible`: conservative run-time test that a block pair has any visible
   (query, key) pair, used to skip fully masked ring steps.
 
@@ -16,14 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import lctx.kernels as kernels
-from lctx.kernels.masking import MASKED_LSE
 
-_HI = jax.lax.Precision.HIGHEST
 _BIG = 2**30
 
 
@@ -69,87 +65,30 @@ def ring_sub_chunks(cfg: AttnConfig, length: int) -> int:
 
 def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
     """Differentiable attention of q against k/v; out `[B, T, N, V]`."""
-    fn = getattr(kernels, "flash_attention", None)
-    kwargs = dict(
-        segment_ids=(q_seg, kv_seg), q_positions=q_pos, kv_positions=kv_pos,
+    return kernels.flash_attention(
+        q, k, v, segment_ids=(q_seg, kv_seg), q_positions=q_pos, kv_positions=kv_pos,
         causal=cfg.causal, window_size=cfg.window_size, softmax_scale=cfg.softmax_scale,
-    )
-    if fn is None:
-        return kernels.reference_attention(q, k, v, **kwargs)
-    return fn(q, k, v, block_q=cfg.block_q, block_kv=cfg.block_kv, backend=cfg.backend,
-              **kwargs)
-
-
-def _dense_visible(q_seg, kv_seg, q_pos, kv_pos, cfg):
-    """`[B, T, S]` bool, same rules as lctx.kernels.masking.dense_mask."""
-    qs, ks = q_seg[:, :, None], kv_seg[:, None, :]
-    qp, kp = q_pos[:, :, None], kv_pos[:, None, :]
-    vis = (qs == ks) & (qs != 0)
-    if cfg.causal:
-        vis = vis & (kp <= qp)
-    if cfg.window_size is not None:
-        vis = vis & (kp > qp - cfg.window_size)
-        if not cfg.causal:
-            vis = vis & (kp < qp + cfg.window_size)
-    return vis
+        block_q=cfg.block_q, block_kv=cfg.block_kv, backend=cfg.backend)
 
 
 def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
     """One block step: (out `[B, T, N, V]` f32 normalised within the block, lse `[B, N, T]`)."""
-    fn = getattr(kernels, "attention_block_forward", None)
-    if fn is not None:
-        out, lse = fn(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                      q_positions=q_pos, kv_positions=kv_pos, causal=cfg.causal,
-                      window_size=cfg.window_size, softmax_scale=cfg.softmax_scale,
-                      block_q=cfg.block_q, block_kv=cfg.block_kv)
-        return out.astype(jnp.float32), lse.astype(jnp.float32)
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    g = n // kh
-    vis = _dense_visible(q_seg, kv_seg, q_pos, kv_pos, cfg)[:, None, None]  # [B,1,1,T,S]
-    qg = q.astype(jnp.float32).reshape(b, t, kh, g, h)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32), precision=_HI)
-    s = jnp.where(vis, s * cfg.scale(h), -jnp.inf)
-    has = jnp.any(vis, axis=-1)
-    m = jnp.where(has, jnp.max(s, axis=-1), 0.0)
-    p = jnp.exp(s - m[..., None])
-    l = jnp.where(has, jnp.sum(p, axis=-1), 1.0)
-    o = jnp.einsum("bkgts,bskv->btkgv", p / l[..., None], v.astype(jnp.float32),
-                   precision=_HI)
-    lse = jnp.where(has, m + jnp.log(l), MASKED_LSE)
-    return o.reshape(b, t, n, -1), lse.reshape(b, n, t)
+    out, lse = kernels.attention_block_forward(
+        q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
+        kv_positions=kv_pos, causal=cfg.causal, window_size=cfg.window_size,
+        softmax_scale=cfg.softmax_scale, block_q=cfg.block_q, block_kv=cfg.block_kv)
+    return out.astype(jnp.float32), lse.astype(jnp.float32)
 
 
 def block_backward(q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos,
                    cfg: AttnConfig):
     """FA2 backward of one block against the GLOBAL out/lse; (dq, dk, dv) in float32."""
-    fn = getattr(kernels, "attention_block_backward", None)
-    if fn is not None:
-        dq, dk, dv = fn(q, k, v, out, lse, dout, q_segment_ids=q_seg,
-                        kv_segment_ids=kv_seg, q_positions=q_pos, kv_positions=kv_pos,
-                        causal=cfg.causal, window_size=cfg.window_size,
-                        softmax_scale=cfg.softmax_scale, block_q=cfg.block_q,
-                        block_kv=cfg.block_kv)
-        return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-    b, t, n, h = q.shape
-    kh, vd = k.shape[2], v.shape[3]
-    g = n // kh
-    scale = cfg.scale(h)
-    f32 = jnp.float32
-    vis = _dense_visible(q_seg, kv_seg, q_pos, kv_pos, cfg)[:, None, None]
-    qg = q.astype(f32).reshape(b, t, kh, g, h)
-    do = dout.astype(f32).reshape(b, t, kh, g, vd)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(f32), precision=_HI) * scale
-    lse_g = lse.reshape(b, kh, g, t)[..., None]
-    p = jnp.where(vis, jnp.exp(jnp.where(vis, s - lse_g, -jnp.inf)), 0.0)  # [B,K,G,T,S]
-    dv = jnp.einsum("bkgts,btkgv->bskv", p, do, precision=_HI)
-    dp = jnp.einsum("btkgv,bskv->bkgts", do, v.astype(f32), precision=_HI)
-    delta = jnp.einsum("btkgv,btkgv->bkgt", do, out.astype(f32).reshape(b, t, kh, g, vd),
-                       precision=_HI)
-    ds = p * (dp - delta[..., None]) * scale
-    dq = jnp.einsum("bkgts,bskh->btkgh", ds, k.astype(f32), precision=_HI)
-    dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg, precision=_HI)
-    return dq.reshape(b, t, n, h), dk, dv
+    dq, dk, dv = kernels.attention_block_backward(
+        q, k, v, out, lse, dout, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+        q_positions=q_pos, kv_positions=kv_pos, causal=cfg.causal,
+        window_size=cfg.window_size, softmax_scale=cfg.softmax_scale,
+        block_q=cfg.block_q, block_kv=cfg.block_kv)
+    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
 def merge(o1, lse1, o2, lse2):

@@ -13,16 +13,12 @@ from lctx import kernels
 def local_attention_fn(kernel_backend: str = "auto", block_q: int = 512,
                        block_kv: int = 512) -> Callable:
   """The model plug-in (docs/contracts.md) calling `lctx.kernels`."""
-  flash = getattr(kernels, "flash_attention", None)
-
   def attention_fn(q, k, v, *, segment_ids, positions, causal=True,
                    window_size=None, softmax_scale=None):
     kw = dict(segment_ids=segment_ids, q_positions=positions,
               kv_positions=positions, causal=causal, window_size=window_size,
               softmax_scale=softmax_scale)
-    if flash is None or kernel_backend == "reference":
-      return kernels.reference_attention(q, k, v, **kw)
-    return flash(q, k, v, block_q=block_q, block_kv=block_kv,
-                 backend=kernel_backend, **kw)
+    return kernels.flash_attention(q, k, v, block_q=block_q, block_kv=block_kv,
+                                   backend=kernel_backend, **kw)
 
   return attention_fn

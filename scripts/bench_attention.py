@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lctx.kernels import flash_attention, xla_attention  # noqa: E402
+from lctx.metrics import measure_matmul_flops  # noqa: E402  (the baseline every bench uses)
 
 try:
     import tokamax  # noqa: E402
@@ -50,12 +51,6 @@ def _time(fn, args, repeats):
         jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def matmul_rate(repeats=5):
-    x = jnp.asarray(np.random.RandomState(0).randn(2048, 2048), jnp.float32)
-    t = _time(jax.jit(lambda a, b: a @ b), (x, x), repeats)
-    return 2 * 2048 ** 3 / t
 
 
 def _segments(t, mode):
@@ -120,11 +115,11 @@ def bench_one(t, mode, args):
             row[f"{name}_skipped"] = f"temp {temp / 2 ** 30:.1f} GiB > --baseline-mem-gb"
             continue
         if name == "lctx":  # the yardstick right before and after our own timing
-            rate_pre = matmul_rate()
+            rate_pre = measure_matmul_flops(repeats=5)
         row[f"{name}_fwd_s"] = _time(jax.jit(fn), (q, k, v), args.repeats)
         row[f"{name}_fwdbwd_s"] = _time(fb, (q, k, v), args.repeats)
         if name == "lctx":
-            row["matmul_gflops_adjacent"] = max(rate_pre, matmul_rate()) / 1e9
+            row["matmul_gflops_adjacent"] = max(rate_pre, measure_matmul_flops(repeats=5)) / 1e9
         print(f"  T={t} {mode} {name}: fwd {row[f'{name}_fwd_s']:.3f}s "
               f"fwd+bwd {row[f'{name}_fwdbwd_s']:.3f}s temp {temp / 2 ** 20:.0f} MiB",
               flush=True)
@@ -204,7 +199,7 @@ def main():
     else:  # tokamax reads absl flags from sys.argv; ours are argparse's
         from absl import flags
         flags.FLAGS(sys.argv[:1], known_only=True)
-    rate_before = 0.0 if args.memory_only else matmul_rate()
+    rate_before = 0.0 if args.memory_only else measure_matmul_flops(repeats=5)
     rows = [bench_one(t, m, args) for t in args.lengths
             for m in args.modes.split(",")]
     if args.memory_only:
@@ -214,7 +209,7 @@ def main():
             json.dump(dict(memory_only=True, jax_version=jax.__version__, rows=rows), f, indent=1)
         print(f"wrote {args.out}")
         return
-    rate_after = matmul_rate()
+    rate_after = measure_matmul_flops(repeats=5)
     rate = max(rate_before, rate_after)
     for r in rows:  # re-normalise with the conservative (higher) rate
         r["lctx_fwd_vs_matmul"] = r["lctx_fwd_gflops"] * 1e9 / rate

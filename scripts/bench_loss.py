@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lctx.kernels import chunked_cross_entropy, reference_cross_entropy  # noqa: E402
+from lctx.metrics import measure_matmul_flops  # noqa: E402  (the baseline every bench uses)
 
 try:
     import tokamax  # noqa: E402
@@ -45,11 +46,6 @@ def _time(fn, args, repeats):
         jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def matmul_rate():
-    x = jnp.asarray(np.random.RandomState(0).randn(2048, 2048), jnp.float32)
-    return 2 * 2048 ** 3 / _time(jax.jit(lambda a, b: a @ b), (x, x), 5)
 
 
 def _losses(chunk_size, z_loss):
@@ -102,7 +98,7 @@ def main():
         from absl import flags
         flags.FLAGS(sys.argv[:1], known_only=True)
     chunk = min(args.chunk_size, args.time_tokens)
-    rate = matmul_rate()
+    rate = measure_matmul_flops(repeats=5)
     fns = _losses(args.chunk_size, args.z_loss)
     result = dict(tokens=args.tokens, vocab=args.vocab, d_model=args.d_model,
                   chunk_size=args.chunk_size, z_loss=args.z_loss, time_tokens=args.time_tokens,

@@ -206,6 +206,31 @@ def test_copy_task_only_source_and_loss_mask():
   assert not np.array_equal(val["inputs"], b["inputs"])  # held-out keys differ
 
 
+
+def test_synthetic_length_ramp_caps_early_documents():
+  """The curriculum: document i is at most start + (seq_len - start) * i / n tokens."""
+  def segment_lengths(**ramp):
+    config = DataConfig(sources=("copy",), seq_len=256, window_shuffle_size=1,
+                        num_packing_bins=1, **ramp)
+    it = make_iterator(config, batch_size=4, seed=0, process_index=0, process_count=1)
+    lengths = []
+    for _ in range(6):
+      for row in next(it)["segment_ids"]:
+        ids, counts = np.unique(row[row > 0], return_counts=True)
+        lengths += counts[np.argsort(ids)].tolist()  # segment ids follow packing order
+    return lengths
+
+  ramped = segment_lengths(synthetic_ramp_documents=40, synthetic_ramp_start=96)
+  assert max(ramped[:10]) <= 96 + 160 * 9 // 40      # the cap of document 9
+  assert max(ramped[20:]) > 132                       # longer as the cap rises
+  plain = segment_lengths()
+  assert max(plain[:10]) > 132                        # no ramp: long from the start
+  assert ramped == segment_lengths(synthetic_ramp_documents=40, synthetic_ramp_start=96)
+  with pytest.raises(ValueError, match="synthetic_ramp_start >= 79"):
+    make_iterator(DataConfig(sources=("copy",), synthetic_ramp_documents=10,
+                             synthetic_ramp_start=64), batch_size=1, seq_len=128,
+                  process_index=0, process_count=1)
+
 def test_mixture_weights_and_batch_transform(corpus):
   config, _ = corpus
   config = DataConfig(**{**config.__dict__, "num_epochs": None, "sources": ("text", "copy"),

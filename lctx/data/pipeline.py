@@ -104,6 +104,15 @@ class DataConfig:
   document does not fill whole batches; host memory ~ size x seq_len x 16 B."""
   read_threads: int = 2
   """grain threads reading and tokenizing documents (the cores are few)."""
+  synthetic_ramp_documents: int = 0
+  """Length curriculum for the synthetic sources ('copy' and registered tasks):
+  document i of each source is at most synthetic_ramp_start + (seq_len -
+  synthetic_ramp_start) * i / synthetic_ramp_documents tokens, so training
+  starts on short documents (dense answers, short distances) and reaches full
+  rows after that many documents. A pure function of the index: deterministic
+  and resumable. 0 = off (every document may be a full row)."""
+  synthetic_ramp_start: int = 256
+  """Length cap of the first synthetic documents (see synthetic_ramp_documents)."""
 
   def __post_init__(self):
     if not self.sources:
@@ -126,6 +135,10 @@ class DataConfig:
                        f"got {self.continuation_positions!r}.")
     if self.copy_loss_on not in ("copy", "all"):
       raise ValueError(f"copy_loss_on must be 'copy' or 'all', got {self.copy_loss_on!r}.")
+    if self.synthetic_ramp_documents < 0 or self.synthetic_ramp_start < 1:
+      raise ValueError("synthetic_ramp_documents must be >= 0 and synthetic_ramp_start "
+                       f">= 1, got {self.synthetic_ramp_documents} and "
+                       f"{self.synthetic_ramp_start}.")
 
 
 def _encode_document(raw: bytes, tokenizer, add_bos: bool, add_eos: bool
@@ -160,10 +173,16 @@ def _source_dataset(config: DataConfig, kind: str, *, split: str, seq_len: int,
                     seed: int, process_index: int, process_count: int,
                     tokenizer) -> grain.IterDataset:
   """One source as a stream of windows, this process's shard only."""
+  def cap(index: int) -> int:  # the synthetic length curriculum (DataConfig)
+    n, start = config.synthetic_ramp_documents, min(config.synthetic_ramp_start, seq_len)
+    if n <= 0 or index >= n:
+      return seq_len
+    return start + (seq_len - start) * index // n
+
   if kind == "copy":
     def make_copy(index: int) -> dict[str, np.ndarray]:
       tokens, mask = synthetic.copy_document(
-          index, seed=seed, split=split, max_tokens=seq_len, tokenizer=tokenizer,
+          index, seed=seed, split=split, max_tokens=cap(index), tokenizer=tokenizer,
           min_key_len=config.copy_min_key_len, max_key_len=config.copy_max_key_len,
           loss_on=config.copy_loss_on)
       return {"tokens": tokens, "target_mask": mask}
@@ -174,7 +193,7 @@ def _source_dataset(config: DataConfig, kind: str, *, split: str, seq_len: int,
     make_document = _TASK_SOURCES[kind]
 
     def make_task(index: int) -> dict[str, np.ndarray]:
-      tokens, mask = make_document(index, seed=seed, split=split, max_tokens=seq_len,
+      tokens, mask = make_document(index, seed=seed, split=split, max_tokens=cap(index),
                                    tokenizer=tokenizer)
       return {"tokens": np.asarray(tokens, np.int32),
               "target_mask": np.asarray(mask, np.float32)}
@@ -238,11 +257,17 @@ def make_dataset(config: DataConfig, *, split: str = "train", batch_size: int,
                      f"process_count={process_count}).")
   if batch_size <= 0 or seq_len <= 0:
     raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be positive.")
-  if "copy" in config.sources and seq_len < synthetic.min_copy_seq_len(config.copy_max_key_len):
+  min_copy = synthetic.min_copy_seq_len(config.copy_max_key_len)
+  if "copy" in config.sources and seq_len < min_copy:
     raise ValueError(
-        f"the copy task needs seq_len >= {synthetic.min_copy_seq_len(config.copy_max_key_len)}"
-        f" for copy_max_key_len={config.copy_max_key_len}; got seq_len={seq_len} "
+        f"the copy task needs seq_len >= {min_copy} for copy_max_key_len="
+        f"{config.copy_max_key_len}; got seq_len={seq_len} "
         "(lower copy_max_key_len or raise seq_len).")
+  if ("copy" in config.sources and config.synthetic_ramp_documents
+      and config.synthetic_ramp_start < min_copy):
+    raise ValueError(
+        f"the copy task needs synthetic_ramp_start >= {min_copy} for copy_max_key_len="
+        f"{config.copy_max_key_len}; got {config.synthetic_ramp_start}.")
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
   streams = [
       # Each source gets its own seed so adding one does not reshuffle others.

@@ -11,7 +11,8 @@ Per strategy and length (causal, MHA 8 heads x 64, --dtype float32, batch 1):
   from the compiled HLO (ops inside scan loops x their trip count), and attention
   blocks (--block squared) computed per device, max / mean, counted by the kernel's
   own block loop. A second table: ring/usp per-device memory
-  at fixed tokens per device for context degree 2, 4, 8. Optional column: the public
+  at fixed tokens per device for context degree 2, 4, 8: argument, output and temp
+  bytes, and their total (what the device holds for the step). Optional column: the public
   JAX RingAttention (PyPI ringattention==0.1.2) through a jax.lib.xla_bridge shim.
 Writes JSON to --out. The 8 "devices" share the host's cores, so times measure total
 work, not parallel speed-up; compare rows of the same run only.
@@ -239,12 +240,26 @@ def scaling(args):
             ab += [jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sh)] * 2
             mem = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*ab).compile() \
                 .memory_analysis()
-            rows.append({"strategy": strategy, "degree": n, "tokens": t,
-                         "arg_bytes": int(mem.argument_size_in_bytes),
-                         "temp_bytes": int(mem.temp_size_in_bytes)})
+            row = {"strategy": strategy, "degree": n, "tokens": t,
+                   "arg_bytes": int(mem.argument_size_in_bytes),
+                   "output_bytes": int(mem.output_size_in_bytes),
+                   "temp_bytes": int(mem.temp_size_in_bytes),
+                   "alias_bytes": int(mem.alias_size_in_bytes)}
+            # Everything the device holds for this step: inputs, gradients out,
+            # scratch (outputs aliased onto inputs counted once).
+            row["total_bytes"] = (row["arg_bytes"] + row["output_bytes"]
+                                  + row["temp_bytes"] - row["alias_bytes"])
+            rows.append(row)
             print(f"  scaling {strategy:5s} degree {n}  tokens {t:7d}  arg "
-                  f"{rows[-1]['arg_bytes'] / 2**20:7.2f} MiB  temp "
-                  f"{rows[-1]['temp_bytes'] / 2**20:7.2f} MiB", flush=True)
+                  f"{row['arg_bytes'] / 2**20:7.2f} MiB  out {row['output_bytes'] / 2**20:7.2f}"
+                  f" MiB  temp {row['temp_bytes'] / 2**20:7.2f} MiB  total "
+                  f"{row['total_bytes'] / 2**20:7.2f} MiB", flush=True)
+    for strategy in ("ring", "usp"):
+        got = [r for r in rows if r["strategy"] == strategy]
+        for key in ("temp_bytes", "total_bytes"):
+            vals = [r[key] for r in got]
+            print(f"  scaling {strategy:5s} {key:11s} max/min over degrees "
+                  f"{[r['degree'] for r in got]}: {max(vals) / min(vals):.3f}", flush=True)
     return rows
 
 

@@ -177,3 +177,29 @@ def test_attention_fn_in_jit_on_reordered_batch_sharded_over_data():
     for a, b in zip(grads, ref_grads):
         np.testing.assert_allclose(zigzag_inverse(np.asarray(a), ring), b, atol=5e-5,
                                    rtol=5e-5)
+
+
+@pytest.mark.parametrize("heads,causal,window,lb", [
+    ("mla", True, None, True),     # value dim != q/k dim, zigzag
+    ("gqa", True, 10, False),      # sliding window: many piece pairs skipped
+    ("mqa", False, None, False),   # non-causal: every pair live
+])
+def test_ring_piece_pairs_match_reference(heads, causal, window, lb):
+    """Each device chunk cut into 4 pieces per hop (the fori_loop over 16 piece
+    pairs that long chunks use), against the reference: values and grads."""
+    mesh = _mesh("c8")
+    q, k, v, w = _inputs(heads, t=128)
+    seg, pos = packed_batch(2, 128, True)
+    zz = (lambda x: zigzag_reorder(x, 8, axis=1)) if lb else (lambda x: x)  # noqa: E731
+    unzz = (lambda x: zigzag_inverse(x, 8, axis=1)) if lb else (lambda x: x)  # noqa: E731
+    attn = make_attention_fn(mesh, "ring", load_balance=lb, sub_chunks=4)
+
+    def ours(q, k, v):
+        return unzz(attn(zz(q), zz(k), zz(v), segment_ids=zz(seg), positions=zz(pos),
+                         causal=causal, window_size=window))
+
+    def ref(q, k, v):
+        return reference_attention(q, k, v, segment_ids=seg, q_positions=pos,
+                                   kv_positions=pos, causal=causal, window_size=window)
+
+    _check(ours, ref, q, k, v, w)

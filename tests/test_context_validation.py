@@ -182,7 +182,7 @@ def test_ring_sub_chunks_bounds_the_kernel_call_length():
     assert ring_sub_chunks(auto, 4096) == 1
     assert ring_sub_chunks(auto, 8192) == 4
     assert ring_sub_chunks(auto, 16384) == 8  # 128K tokens over 8 devices
-    assert ring_sub_chunks(auto, 1 << 17) == 8  # capped: pairs are unrolled
+    assert ring_sub_chunks(auto, 1 << 17) == 8  # capped at max_sub_chunks
     assert ring_sub_chunks(auto, 3 * 4096) == 8  # 1536-token pieces
     assert ring_sub_chunks(AttnConfig(sub_chunks=2), 16384) == 2
     assert ring_sub_chunks(AttnConfig(sub_chunks=3), 16) == 1  # must divide

@@ -7,7 +7,8 @@ hops; at every hop the next K/V (+ ids, positions) ppermute is issued before thi
 hop's compute so XLA can overlap them; partial results merge through their lse.
 A hop whose visiting keys are all masked for these queries (run-time min/max of
 positions and ids) is skipped with lax.cond; long chunks are cut into sub-chunks
-(cfg.sub_chunks, auto by default) whose pairs are skipped independently. Inside a hop
+(cfg.sub_chunks, auto by default) whose pairs are skipped independently, in one
+fori_loop over the pairs (traced once, not c^2 times). Inside a hop
 the kernel's block functions skip masked blocks themselves. Backward (custom_vjp): K/V rotate again, dQ accumulates locally and
 dK/dV travel with their block until they arrive back at the owner.
 
@@ -44,58 +45,65 @@ def _n_chunks(cfg: AttnConfig, length: int) -> int:
     return block_ops.ring_sub_chunks(cfg, length)
 
 
-def _split(x, c, axis=1):
-    return jnp.split(x, c, axis=axis) if c > 1 else [x]
+def _piece(x, i, size, axis=1):
+    return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
 
 
-def _cat(xs, axis=1):
-    return jnp.concatenate(xs, axis=axis) if len(xs) > 1 else xs[0]
+def _put(x, piece, i, axis=1):
+    return jax.lax.dynamic_update_slice_in_dim(x, piece, i * piece.shape[axis], axis=axis)
 
 
-def _hop_forward(qc, kv, acc, cfg):
-    """Merges one visiting K/V block into the per-q-chunk (o, lse) accumulators."""
+def _pairs(c, body, carry):
+    """Runs body(i, j, carry) over the c x c (q piece, kv piece) pairs: one traced
+    body instead of c^2 unrolled kernel calls (cheap tracing at 8 x 8 pieces)."""
+    if c == 1:
+        return body(0, 0, carry)
+    return jax.lax.fori_loop(0, c * c, lambda p, cr: body(p // c, p % c, cr), carry)
+
+
+def _hop_forward(q, seg, pos, kv, acc, c, cfg):
+    """Merges one visiting K/V block into the (o, lse) accumulators, piece pair by
+    piece pair; a pair whose keys are all masked for its queries is skipped."""
     k, v, ks, kp = kv
-    c = len(qc)
-    kvc = list(zip(_split(k, c), _split(v, c), _split(ks, c), _split(kp, c)))
-    new = []
-    for (qi, qsi, qpi), (o, lse) in zip(qc, acc):
-        for kj, vj, ksj, kpj in kvc:
-            def run(o, lse, qi=qi, qsi=qsi, qpi=qpi, kj=kj, vj=vj, ksj=ksj, kpj=kpj):
-                ob, lb = block_ops.block_forward(
-                    qi, kj, vj, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg)
-                return block_ops.merge(o, lse, ob, lb)
+    s = q.shape[1] // c
 
-            vis = block_ops.maybe_visible(qsi, ksj, qpi, kpj, cfg)
-            o, lse = jax.lax.cond(vis, run, lambda o, lse: (o, lse), o, lse)
-        new.append((o, lse))
-    return new
+    def body(i, j, acc):
+        o, lse = acc
+        qi, qsi, qpi = _piece(q, i, s), _piece(seg, i, s), _piece(pos, i, s)
+        kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
+
+        def run(oi, li):
+            ob, lb = block_ops.block_forward(
+                qi, kj, vj, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg)
+            return block_ops.merge(oi, li, ob, lb)
+
+        vis = block_ops.maybe_visible(qsi, ksj, qpi, kpj, cfg)
+        oi, li = jax.lax.cond(vis, run, lambda oi, li: (oi, li),
+                              _piece(o, i, s), _piece(lse, i, s, axis=2))
+        return _put(o, oi, i), _put(lse, li, i, axis=2)
+
+    return _pairs(c, body, acc)
 
 
 def _ring_forward(cfg, axis, size, q, k, v, seg, pos):
     """Returns out `[B, T, N, V]` (q.dtype) and lse `[B, N, T]` float32."""
     b, t, n, _ = q.shape
-    vd = v.shape[-1]
     c = _n_chunks(cfg, t)
-    qc = list(zip(_split(q, c), _split(seg, c), _split(pos, c)))
-    acc = []
-    for qi, _, _ in qc:
-        o0 = jnp.zeros((b, qi.shape[1], n, vd), jnp.float32)
-        l0 = jnp.full((b, n, qi.shape[1]), MASKED_LSE, jnp.float32)
-        acc.append((_varying(o0, q, k, v), _varying(l0, q, k, v)))
+    o0 = jnp.zeros((b, t, n, v.shape[-1]), jnp.float32)
+    l0 = jnp.full((b, n, t), MASKED_LSE, jnp.float32)
+    acc = (_varying(o0, q, k, v), _varying(l0, q, k, v))
     perm = [(i, (i + 1) % size) for i in range(size)]
 
     def step(carry, _):
         acc, kv = carry
         kv_next = tuple(jax.lax.ppermute(x, axis, perm) for x in kv)  # before compute
-        return (_hop_forward(qc, kv, acc, cfg), kv_next), None
+        return (_hop_forward(q, seg, pos, kv, acc, c, cfg), kv_next), None
 
     kv = (k, v, seg, pos)
     if size > 1:
         (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=size - 1)
-    acc = _hop_forward(qc, kv, acc, cfg)
-    out = _cat([o for o, _ in acc]).astype(q.dtype)
-    lse = _cat([l for _, l in acc], axis=2)
-    return out, lse
+    o, lse = _hop_forward(q, seg, pos, kv, acc, c, cfg)
+    return o.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -108,35 +116,38 @@ def _ring_fwd(cfg, axis, size, q, k, v, seg, pos):
     return out, (q, k, v, seg, pos, out, lse)
 
 
-def _hop_backward(qc, kv, dkv, dq, cfg):
+def _hop_backward(res, kv, dkv, dq, c, cfg):
     """Adds one visiting block's contributions to dq (local) and dk/dv (travelling)."""
+    q, seg, pos, out, lse, dout = res
     k, v, ks, kp = kv
-    c = len(qc)
-    kvc = list(zip(_split(k, c), _split(v, c), _split(ks, c), _split(kp, c)))
-    dk = _split(dkv[0], c)
-    dv = _split(dkv[1], c)
-    dq = list(dq)
-    for i, (qi, qsi, qpi, oi, li, doi) in enumerate(qc):
-        for j, (kj, vj, ksj, kpj) in enumerate(kvc):
-            def run(dqi, dkj, dvj, qi=qi, qsi=qsi, qpi=qpi, oi=oi, li=li, doi=doi,
-                    kj=kj, vj=vj, ksj=ksj, kpj=kpj):
-                a, b_, c_ = block_ops.block_backward(
-                    qi, kj, vj, oi, li, doi, q_seg=qsi, kv_seg=ksj, q_pos=qpi,
-                    kv_pos=kpj, cfg=cfg)
-                return dqi + a, dkj + b_, dvj + c_
+    s = q.shape[1] // c
 
-            vis = block_ops.maybe_visible(qsi, ksj, qpi, kpj, cfg)
-            dq[i], dk[j], dv[j] = jax.lax.cond(
-                vis, run, lambda *a: a, dq[i], dk[j], dv[j])
-    return dq, (_cat(dk), _cat(dv))
+    def body(i, j, carry):
+        dq, dk, dv = carry
+        qi, qsi, qpi, oi, doi = (_piece(x, i, s) for x in (q, seg, pos, out, dout))
+        li = _piece(lse, i, s, axis=2)
+        kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
+
+        def run(dqi, dkj, dvj):
+            a, b_, c_ = block_ops.block_backward(
+                qi, kj, vj, oi, li, doi, q_seg=qsi, kv_seg=ksj, q_pos=qpi,
+                kv_pos=kpj, cfg=cfg)
+            return dqi + a, dkj + b_, dvj + c_
+
+        vis = block_ops.maybe_visible(qsi, ksj, qpi, kpj, cfg)
+        dqi, dkj, dvj = jax.lax.cond(vis, run, lambda *a: a, _piece(dq, i, s),
+                                     _piece(dk, j, s), _piece(dv, j, s))
+        return _put(dq, dqi, i), _put(dk, dkj, j), _put(dv, dvj, j)
+
+    dq, dk, dv = _pairs(c, body, (dq, dkv[0], dkv[1]))
+    return dq, (dk, dv)
 
 
 def _ring_bwd(cfg, axis, size, res, dout):
     q, k, v, seg, pos, out, lse = res
     c = _n_chunks(cfg, q.shape[1])
-    qc = list(zip(_split(q, c), _split(seg, c), _split(pos, c), _split(out, c),
-                  _split(lse, c, axis=2), _split(dout, c)))
-    dq = [_varying(jnp.zeros(qi.shape, jnp.float32), q, k, v, dout) for qi, *_ in qc]
+    res = (q, seg, pos, out, lse, dout)
+    dq = _varying(jnp.zeros(q.shape, jnp.float32), q, k, v, dout)
     dkv = (_varying(jnp.zeros(k.shape, jnp.float32), q, k, v, dout),
            _varying(jnp.zeros(v.shape, jnp.float32), q, k, v, dout))
     perm = [(i, (i + 1) % size) for i in range(size)]
@@ -147,16 +158,16 @@ def _ring_bwd(cfg, axis, size, res, dout):
     def step(carry, _):
         dq, kv, dkv = carry
         kv_next = send(kv)  # issued before this hop's compute
-        dq, dkv = _hop_backward(qc, kv, dkv, dq, cfg)
+        dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg)
         return (dq, kv_next, send(dkv)), None
 
     kv = (k, v, seg, pos)
     if size > 1:
         (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), length=size - 1)
-    dq, dkv = _hop_backward(qc, kv, dkv, dq, cfg)
+    dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg)
     if size > 1:
         dkv = send(dkv)  # the last hop's block belongs to the next device
-    return (_cat(dq).astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
+    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
             None, None)
 
 

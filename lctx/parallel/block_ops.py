@@ -38,8 +38,9 @@ class AttnConfig:
     # copies of q/k/v/out/dout scale with the call's length). None = auto: one call
     # per hop up to split_above tokens (8 heads x 64 f32 on CPU: 32K causal ring
     # fwd+bwd 76 s unsplit vs 116 s in 2048-token pieces, same run); above it,
-    # pieces of <= piece_tokens, at most max_sub_chunks (pairs run in one fori_loop):
-    # 16K-token chunks (128K on 8 devices) in 1/2/4/8 pieces: 418/385/341/325 MiB.
+    # pieces of <= piece_tokens, at most max_sub_chunks (pairs run in one fori_loop).
+    # 16K-token chunks (128K on 8 devices) in 1/2/4/8 pieces: 418/385/341/325 MiB
+    # temp with the pairs unrolled; 277 MiB at 8 pieces in the loop (2026-11-29).
     sub_chunks: int | None = None
     split_above: int = 4096
     piece_tokens: int = 2048

@@ -100,7 +100,8 @@ def evaluate_retrieval(exp: Experiment, trainer: Trainer, state, workdir: str,
                                       limit=exp.evals.num_documents)
   return evals_lib.run_evals(trainer.logits_fn(state), tokenizer,
                              config=exp.evals, workdir=workdir, step=step,
-                             documents=documents)
+                             documents=documents,
+                             attention_windows=exp.model.layer_windows)
 
 
 # ----------------------------------------------------------------------------

@@ -22,20 +22,33 @@ NEEDLE_RE = {
     "niah_multivalue": r" One of the special magic numbers for [a-z]+-[a-z]+ is: \d{7}\. ",
     "variable_tracking": r" VAR [A-Z]{5} = \d{5}\. ",
 }
+HELD_OUT_NEEDLE_RE = {
+    "passkey": r" The secret code is (\d{5})\. Keep it safe\. \1 is the secret code\. ",
+    "niah_single": r" The hidden number that belongs to [a-z]+-[a-z]+ is: \d{7}\. ",
+    "niah_multikey": r" The hidden number that belongs to [a-z]+-[a-z]+ is: \d{7}\. ",
+    "niah_multivalue": r" The hidden number that belongs to [a-z]+-[a-z]+ is: \d{7}\. ",
+    "variable_tracking": r" LET [A-Z]{5} BE \d{5}\. ",
+}
+# Words of the held-out phrasing that the training phrasing never uses.
+HELD_OUT_MARKERS = ("secret code", "hidden number", "LET ", "names holding")
 
 
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("length", [512, 1001])
-def test_depth_placement_is_exact(task, length):
+@pytest.mark.parametrize("phrasing", ["train", "held_out"])
+def test_depth_placement_is_exact(task, length, phrasing):
+  needle_re = (NEEDLE_RE if phrasing == "train" else HELD_OUT_NEEDLE_RE)[task]
   for i, depth in enumerate([0.0, 0.1, 0.37, 0.5, 0.9, 1.0]):
-    ex = build_example(task, length, depth, eval_seed(0, task, i), TOK, NOISE)
+    ex = build_example(task, length, depth, eval_seed(0, task, i), TOK, NOISE,
+                       phrasing=phrasing)
+    assert ex.phrasing == phrasing
     assert ex.tokens.shape == (length,) and ex.tokens.dtype == np.int32
     assert ex.tokens[0] == TOK.bos_id and ex.body_start == 1
     span = next(s for s in ex.needle_spans if s[0] == ex.depth_offset)
     n = span[1] - span[0]
     # The documented rule, asserted exactly (no tolerance).
     assert ex.depth_offset - ex.body_start == round(depth * (ex.body_len - n))
-    assert re.fullmatch(NEEDLE_RE[task], TOK.decode(ex.tokens[span[0]:span[1]]))
+    assert re.fullmatch(needle_re, TOK.decode(ex.tokens[span[0]:span[1]]))
     if depth == 0.0:
       assert ex.depth_offset == ex.body_start
     if depth == 1.0:
@@ -111,6 +124,23 @@ def test_train_and_eval_seeds_are_disjoint():
     assert not np.array_equal(a["inputs"], c["inputs"])
 
 
+def test_held_out_phrasing_never_reaches_training():
+  for task in TASKS:
+    for index in range(40):
+      text = TOK.decode(training_example_at(task, 512, index, seed=3)["inputs"])
+      assert not any(m in text for m in HELD_OUT_MARKERS), (task, text)
+    ex = build_example(task, 1024, 0.5, eval_seed(5, task), TOK, NOISE,
+                       phrasing="held_out")
+    context = TOK.decode(ex.tokens[:ex.answer_start])
+    assert any(m in context for m in HELD_OUT_MARKERS)
+    assert "pass key" not in context and "magic number" not in context
+    assert "VAR " not in context
+    ctl = build_example(task, 1024, 0.5, eval_seed(5, task), TOK, NOISE,
+                        phrasing="held_out", needle_removed=True)
+    for item in ex.answer_items:
+      assert item in context and item not in TOK.decode(ctl.tokens[:ctl.answer_start])
+
+
 @pytest.mark.parametrize("answer_loss_only", [False, True])
 def test_training_example_row(answer_loss_only):
   row = make_training_example("niah_single", 400, np.random.default_rng(5), TOK,
@@ -137,5 +167,7 @@ def test_bad_inputs_raise_clear_errors():
     build_example("passkey", 512, 1.5, 1, TOK, NOISE)
   with pytest.raises(ValueError, match="unknown task"):
     build_example("nope", 512, 0.5, 1, TOK, NOISE)
+  with pytest.raises(ValueError, match="unknown phrasing"):
+    build_example("passkey", 512, 0.5, 1, TOK, NOISE, phrasing="fancy")
   with pytest.raises(ValueError, match="needs documents"):
     make_haystack("text", TOK)

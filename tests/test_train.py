@@ -106,3 +106,24 @@ def test_local_devices_macro_is_read_before_jax():
   assert n == 8
   assert gin_utils.local_devices_macro(
       ["gin/local_cpu.gin"], [ROOT], ["LOCAL_DEVICES = 4"]) == 4
+
+
+def test_in_loop_retrieval_evals_class_cells_of_a_windowed_model(tmp_path):
+  from lctx.evals import EvalConfig  # pylint: disable=g-import-not-at-top
+  exp = _experiment(steps=2, checkpoint_every=0, retrieval_eval_every=2)
+  exp = train_lib.Experiment(
+      model=models.ModelConfig(**{**TINY.__dict__, "attention_pattern": (16,)}),
+      data=exp.data, train=exp.train, mesh=exp.mesh,
+      evals=EvalConfig(tasks=("passkey",), lengths=(128,), depths=(0.0, 1.0),
+                       samples_per_cell=1, batch_size=4, length_multiple=8,
+                       window=0))
+  train_lib.run("train", str(tmp_path), exp)
+  with open(tmp_path / "evals" / "retrieval.json") as f:
+    records = json.load(f)
+  # Two layers of window 16 reach 2 x 15 tokens back; the depth-0 needle ends
+  # ~60 tokens before the answer, so no path reaches it.
+  assert {r["receptive_field"] for r in records} == {30}
+  main = {r["depth"]: r["reach_class"] for r in records
+          if not r["needle_removed"] and not r["held_out"]}
+  assert main[0.0] == "beyond"
+  assert any("eval/passkey/acc_beyond" in r for r in _metrics(str(tmp_path)))

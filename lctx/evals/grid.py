@@ -4,8 +4,22 @@ Variants per cell (same cell coordinates, reported as separate records):
 - main: `haystack` filler (training's format), needle present;
 - needle removed: the SAME examples (same seeds) with the queried needles
   replaced by filler, the decisive control: accuracy must fall to `chance`;
-- held out: a haystack training never uses (real text or the alternative noise
-  filler), different seeds, needle present, `held_out: true`.
+- held out (haystack): a haystack training never uses (real text or the
+  alternative noise filler), different seeds, needle present, `held_out: true`;
+- held out (phrasing): the training haystack with the needle and question
+  worded as training never words them (`phrasing: "held_out"`, `held_out:
+  true`), different seeds.
+
+For a model whose attention is local in every layer (`attention_windows`, one
+size per layer), each cell is also classed by where its depth-placed needle
+lies as seen from the first answer-predicting position a = answer_start - 1
+(a layer of window w sees (p - w, p]):
+- "window": the whole needle within a - (w_min - 1), so one layer reads it
+  directly;
+- "beyond": even the needle's last token is farther than the receptive field
+  sum(w_l - 1) of the stack: no path carries it to the answer, so accuracy must
+  be at chance;
+- "relay": in between, reachable only by passing information up through layers.
 
 With `window` < length, each main example is also scored with its context cut to
 the last `window` tokens (positions restarting at 0): `window_accuracy` and
@@ -39,12 +53,14 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
              samples_per_cell: int, seed: int, haystack: Haystack,
              held_out_haystack: Haystack | None, needle_removed_control: bool,
              window: int | None, batch_size: int, length_multiple: int,
-             add_bos: bool = True) -> list[dict]:
+             add_bos: bool = True, held_out_phrasing: bool = False,
+             attention_windows: Sequence[int | None] | None = None) -> list[dict]:
   """Builds and scores the grid; returns one record per (variant, task, length,
   depth) with keys task, length, depth, accuracy, n, needle_removed, held_out,
-  haystack, loglik (mean answer log-likelihood, nats), token_acc, chance,
-  distance (mean tokens from the depth-placed needle's start to the end) and,
-  for main cells with window < length, window_accuracy and window_loglik.
+  haystack, phrasing, loglik (mean answer log-likelihood, nats), token_acc,
+  chance, distance (mean tokens from the depth-placed needle's start to the
+  end), for main cells with window < length window_accuracy and window_loglik,
+  and with bounded `attention_windows` receptive_field and reach_class.
   Cells too short for a task are skipped with a warning. Examples are built
   one length at a time so memory stays bounded at long lengths."""
   records = []
@@ -52,22 +68,27 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
     cells = []  # (record template, [examples])
     for task in tasks:
       for di, depth in enumerate(depths):
-        variants = [(haystack, False, False, "main")]
+        variants = [(haystack, False, False, "main", "train")]
         if needle_removed_control:
-          variants.append((haystack, True, False, "main"))
+          variants.append((haystack, True, False, "main", "train"))
         if held_out_haystack is not None:
-          variants.append((held_out_haystack, False, True, "held_out"))
+          variants.append((held_out_haystack, False, True, "held_out", "train"))
+        if held_out_phrasing:
+          variants.append((haystack, False, True, "held_out_phrasing",
+                           "held_out"))
         try:
-          for hs, removed, held_out, tag in variants:
+          for hs, removed, held_out, tag, phrasing in variants:
             exs = [build_example(task, length, depth,
                                  eval_seed(seed, tag, task, length, di, s),
                                  tokenizer, hs, needle_removed=removed,
-                                 add_bos=add_bos)
+                                 add_bos=add_bos, phrasing=phrasing)
                    for s in range(samples_per_cell)]
-            cells.append(({"task": task, "length": int(length),
-                           "depth": float(depth), "needle_removed": removed,
-                           "held_out": held_out, "haystack": hs.kind,
-                           "chance": exs[0].chance}, exs))
+            template = {"task": task, "length": int(length),
+                        "depth": float(depth), "needle_removed": removed,
+                        "held_out": held_out, "haystack": hs.kind,
+                        "phrasing": phrasing, "chance": exs[0].chance}
+            template.update(reach_class(exs, attention_windows))
+            cells.append((template, exs))
         except ValueError as e:
           _log.warning("skipping %s at length %d: %s", task, length, e)
           cells = [c for c in cells if not (c[0]["task"] == task and
@@ -109,19 +130,44 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
   return records
 
 
+def reach_class(examples, attention_windows: Sequence[int | None] | None) -> dict:
+  """{receptive_field, reach_class} of a cell (see the module docstring), or {}
+  when some layer attends globally (or no windows are given)."""
+  if not attention_windows or any(w is None for w in attention_windows):
+    return {}
+  direct = min(attention_windows) - 1
+  field = int(sum(w - 1 for w in attention_windows))
+  near, far = [], []
+  for ex in examples:
+    end = next(e for s, e in ex.needle_spans if s == ex.depth_offset)
+    first = ex.answer_start - 1
+    near.append(first - ex.depth_offset)  # to the needle's first token
+    far.append(first - (end - 1))         # to its last token
+  if max(near) <= direct:
+    cls = "window"
+  elif min(far) > field:
+    cls = "beyond"
+  else:
+    cls = "relay"
+  return {"receptive_field": field, "reach_class": cls}
+
+
 def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, float]:
   """Flat scalars per task: acc (main, all cells), token_acc (teacher-forced
   per-token answer accuracy), acc_len{L} and
   min_acc_len{L} (mean / worst depth at length L), removed_acc, needle_gain
   (answer log-likelihood with minus without the needle),
-  held_out_acc, loglik, and window_gap (mean answer log-likelihood lost when
-  the context is cut to the window: > 0 means distant context is used)."""
+  held_out_acc (held-out haystack), held_out_phrasing_acc, loglik, window_gap
+  (mean answer log-likelihood lost when the context is cut to the window: > 0
+  means distant context is used) and, for local-attention models,
+  acc_{window,relay,beyond} (main cells by reach class)."""
   out: dict[str, float] = {}
   for task in dict.fromkeys(r["task"] for r in records):
     rs = [r for r in records if r["task"] == task]
     main = [r for r in rs if not r["needle_removed"] and not r["held_out"]]
     removed = [r for r in rs if r["needle_removed"]]
-    held = [r for r in rs if r["held_out"]]
+    held = [r for r in rs if r["held_out"] and r.get("phrasing") != "held_out"]
+    phrased = [r for r in rs if r["held_out"] and r.get("phrasing") == "held_out"]
     mean = lambda xs, k: float(np.mean([x[k] for x in xs]))
     p = f"{prefix}/{task}"
     if main:
@@ -133,6 +179,10 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
         at = [r for r in main if r["length"] == length]
         out[f"{p}/acc_len{length}"] = mean(at, "accuracy")
         out[f"{p}/min_acc_len{length}"] = float(min(r["accuracy"] for r in at))
+      for cls in ("window", "relay", "beyond"):
+        at = [r for r in main if r.get("reach_class") == cls]
+        if at:
+          out[f"{p}/acc_{cls}"] = mean(at, "accuracy")
       win = [r for r in main if "window_loglik" in r]
       if win:
         out[f"{p}/window_acc"] = mean(win, "window_accuracy")
@@ -143,4 +193,6 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
         out[f"{p}/needle_gain"] = mean(main, "loglik") - mean(removed, "loglik")
     if held:
       out[f"{p}/held_out_acc"] = mean(held, "accuracy")
+    if phrased:
+      out[f"{p}/held_out_phrasing_acc"] = mean(phrased, "accuracy")
   return out

@@ -11,12 +11,14 @@ import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 _VARIANTS = (("main", "with needle"), ("removed", "needle removed (control)"),
-             ("held_out", "held-out haystack"))
+             ("held_out", "held-out haystack"),
+             ("held_out_phrasing", "held-out needle phrasing"))
 
 
 def _variant(rec: dict) -> str:
   if rec.get("held_out"):
-    return "held_out"
+    return ("held_out_phrasing" if rec.get("phrasing") == "held_out"
+            else "held_out")
   return "removed" if rec["needle_removed"] else "main"
 
 
@@ -108,12 +110,21 @@ def summary_markdown(records: Sequence[dict], context: dict | None,
     lines.append("")
     for key, label in (("removed_acc", "needle removed (control)"),
                        ("held_out_acc", "held-out haystack"),
+                       ("held_out_phrasing_acc", "held-out needle phrasing"),
                        ("needle_gain", "answer log-lik gained from the needle (nats)"),
                        ("window_acc", "context cut to the window"),
                        ("window_gap", "answer log-lik lost without distant context")):
       k = f"eval/{task}/{key}"
       if k in metrics:
         lines.append(f"- {label}: {metrics[k]:.3f}")
+    field = next((r["receptive_field"] for r in rs if "receptive_field" in r), None)
+    if field is not None:
+      by_class = ", ".join(
+          f"{cls} {metrics[f'eval/{task}/acc_{cls}']:.2f}"
+          for cls in ("window", "relay", "beyond")
+          if f"eval/{task}/acc_{cls}" in metrics)
+      lines.append(f"- local attention, receptive field {field} tokens; "
+                   f"accuracy by where the needle lies: {by_class}")
     lines.append(f"- chance: {max(r['chance'] for r in rs):.1g}; "
                  f"{main[0]['n'] if main else 0} samples per cell")
     lines.append("")

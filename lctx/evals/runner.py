@@ -56,6 +56,9 @@ class EvalConfig:
   'alt_noise' or 'none'. Reported separately (held_out: true)."""
   needle_removed_control: bool = True
   """Also score every main example with its queried needles removed."""
+  held_out_phrasing: bool = True
+  """Also score the needles and question in the wording training never uses
+  (lctx.evals.tasks.PHRASINGS), on the main haystack."""
   add_bos: bool = True
   """Start every example with BOS (match the training data)."""
   batch_size: int = 8
@@ -113,7 +116,9 @@ def _write_json(path: str, obj) -> None:
 
 def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: str,
               step: int, documents: Sequence[str | np.ndarray] | None = None,
-              write_files: bool | None = None) -> dict[str, float]:
+              write_files: bool | None = None,
+              attention_windows: Sequence[int | None] | None = None
+              ) -> dict[str, float]:
   """Runs the retrieval grid (+ controls) and, with `documents`, the context-use
   evals; writes the files listed in the module docstring; returns flat scalars
   such as `eval/passkey/acc`, `eval/passkey/removed_acc`,
@@ -126,6 +131,9 @@ def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: st
   documents: held-out texts (str) or token-id arrays: the 'text' haystack and
     the context-use evals. Only the first config.num_documents are read.
   write_files: None = only jax.process_index() == 0 writes.
+  attention_windows: the model's per-layer attention window (None = global);
+    when every layer is local, cells are classed window / relay / beyond by
+    the needle's distance (lctx.evals.grid).
   """
   t0 = time.time()
   if write_files is None:
@@ -148,7 +156,9 @@ def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: st
       seed=config.seed, haystack=haystack, held_out_haystack=held,
       needle_removed_control=config.needle_removed_control,
       window=config.window or None, batch_size=config.batch_size,
-      length_multiple=config.length_multiple, add_bos=config.add_bos)
+      length_multiple=config.length_multiple, add_bos=config.add_bos,
+      held_out_phrasing=config.held_out_phrasing,
+      attention_windows=attention_windows)
   metrics = grid_metrics(records)
   main = [v for k, v in metrics.items() if k.endswith("/acc")]
   if main:

@@ -19,6 +19,12 @@ needle-removed control rebuilds it from the same seed and fills the queried
 needles' spans with filler instead, and the values are redrawn until none of the
 answer strings occurs in the filler, so the control context never contains the
 answer. Eval seeds live in [EVAL_SEED_BASE, 2**63); training seeds below it.
+
+Each task has two phrasings of its needles and question: "train" (the RULER /
+Landmark wording, the only one the training mixture uses) and "held_out" (same
+structure, different words), so the grid can report a needle format the model
+never saw: a model that retrieves should carry over, one that learned the format
+will not.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from lctx.evals.haystack import Haystack, make_haystack
 
 TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue",
          "variable_tracking")
+PHRASINGS = ("train", "held_out")
 EVAL_SEED_BASE = 1 << 62  # eval seeds are >= this; training seeds are below.
 
 _WORDS = (
@@ -65,6 +72,7 @@ class RetrievalExample:
   needle_removed: bool
   haystack: str
   chance: float               # probability of guessing the answer uniformly
+  phrasing: str = "train"     # "train" or "held_out" (never in training data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,64 +111,84 @@ def _key(rng) -> str:
   return f"{_WORDS[a]}-{_WORDS[b]}"
 
 
-def _niah_needle(key: str, value: str) -> str:
+def _niah_needle(key: str, value: str, alt: bool) -> str:
+  if alt:
+    return f" The hidden number that belongs to {key} is: {value}. "
   return f" One of the special magic numbers for {key} is: {value}. "
 
 
-def _niah_question(key: str) -> str:
+def _niah_question(key: str, alt: bool) -> str:
   # RULER's question; the answer prefix ends like the needle ("for {key} is:")
   # instead of RULER's "... mentioned in the provided text is" (documented).
+  if alt:
+    return (f" Which hidden number belongs to {key} in the text above? The "
+            f"hidden number that belongs to {key} is:")
   return (f" What is the special magic number for {key} mentioned in the "
           f"provided text? The special magic number for {key} is:")
 
 
-def _passkey(rng) -> _Spec:
+def _passkey(rng, alt: bool) -> _Spec:
   k = _number(rng, 5)
-  needle = f" The pass key is {k}. Remember it. {k} is the pass key. "
-  return _Spec((_Needle(needle, True, True),),
-               " What is the pass key? The pass key is", f" {k}", (k,), 1 / 9e4)
+  if alt:
+    needle = f" The secret code is {k}. Keep it safe. {k} is the secret code. "
+    question = " What is the secret code? The secret code is"
+  else:
+    needle = f" The pass key is {k}. Remember it. {k} is the pass key. "
+    question = " What is the pass key? The pass key is"
+  return _Spec((_Needle(needle, True, True),), question, f" {k}", (k,), 1 / 9e4)
 
 
-def _niah_single(rng) -> _Spec:
+def _niah_single(rng, alt: bool) -> _Spec:
   key, value = _key(rng), _number(rng, 7)
-  return _Spec((_Needle(_niah_needle(key, value), True, True),),
-               _niah_question(key), f" {value}", (value,), 1 / 9e6)
+  return _Spec((_Needle(_niah_needle(key, value, alt), True, True),),
+               _niah_question(key, alt), f" {value}", (value,), 1 / 9e6)
 
 
-def _niah_multikey(rng, num_keys: int = 4) -> _Spec:
+def _niah_multikey(rng, alt: bool, num_keys: int = 4) -> _Spec:
   keys = _distinct(rng, lambda: _key(rng), num_keys)
   values = _distinct(rng, lambda: _number(rng, 7), num_keys)
-  needles = [_Needle(_niah_needle(keys[0], values[0]), True, True)]
-  needles += [_Needle(_niah_needle(k, v), False, False)
+  needles = [_Needle(_niah_needle(keys[0], values[0], alt), True, True)]
+  needles += [_Needle(_niah_needle(k, v, alt), False, False)
               for k, v in zip(keys[1:], values[1:])]
-  return _Spec(tuple(needles), _niah_question(keys[0]), f" {values[0]}",
+  return _Spec(tuple(needles), _niah_question(keys[0], alt), f" {values[0]}",
                (values[0],), 1 / 9e6)
 
 
-def _niah_multivalue(rng, num_values: int = 4) -> _Spec:
+def _niah_multivalue(rng, alt: bool, num_values: int = 4) -> _Spec:
   key = _key(rng)
   values = _distinct(rng, lambda: _number(rng, 7), num_values)
-  needles = tuple(_Needle(_niah_needle(key, v), True, i == 0, v)
+  needles = tuple(_Needle(_niah_needle(key, v, alt), True, i == 0, v)
                   for i, v in enumerate(values))
-  question = (f" What are all the special magic numbers for {key} mentioned in "
-              f"the provided text? The special magic numbers for {key} are:")
+  if alt:
+    question = (f" Which hidden numbers belong to {key} in the text above? The "
+                f"hidden numbers that belong to {key} are:")
+  else:
+    question = (f" What are all the special magic numbers for {key} mentioned "
+                f"in the provided text? The special magic numbers for {key} are:")
   return _Spec(needles, question, " " + ", ".join(values), tuple(values),
                (1 / 9e6) ** num_values, answer_in_order=True)
 
 
-def _variable_tracking(rng, num_vars: int = 5) -> _Spec:
+def _variable_tracking(rng, alt: bool, num_vars: int = 5) -> _Spec:
   value = _number(rng, 5)
   names = _distinct(rng, lambda: "".join(rng.choice(_LETTERS, 5)), num_vars)
-  needles = [_Needle(f" VAR {names[0]} = {value}. ", True, True)]
-  needles += [_Needle(f" VAR {b} = VAR {a}. ", True, False)
-              for a, b in zip(names[:-1], names[1:])]
-  question = (f" Find all variables that are assigned the value {value} in the "
-              f"text above. The variables assigned the value {value} are:")
+  if alt:
+    needles = [_Needle(f" LET {names[0]} BE {value}. ", True, True)]
+    needles += [_Needle(f" LET {b} BE {a}. ", True, False)
+                for a, b in zip(names[:-1], names[1:])]
+    question = (f" Which names end up holding {value} in the text above? The "
+                f"names holding {value} are:")
+  else:
+    needles = [_Needle(f" VAR {names[0]} = {value}. ", True, True)]
+    needles += [_Needle(f" VAR {b} = VAR {a}. ", True, False)
+                for a, b in zip(names[:-1], names[1:])]
+    question = (f" Find all variables that are assigned the value {value} in "
+                f"the text above. The variables assigned the value {value} are:")
   return _Spec(tuple(needles), question, " " + " ".join(names), tuple(names),
                26.0 ** (-5 * num_vars))
 
 
-_BUILDERS: dict[str, Callable[[np.random.Generator], _Spec]] = {
+_BUILDERS: dict[str, Callable[[np.random.Generator, bool], _Spec]] = {
     "passkey": _passkey, "niah_single": _niah_single,
     "niah_multikey": _niah_multikey, "niah_multivalue": _niah_multivalue,
     "variable_tracking": _variable_tracking,
@@ -204,15 +232,18 @@ def _place(rng, lengths: list[int], main: int, main_offset: int,
 
 def build_example(task: str, length: int, depth: float, seed: int, tokenizer,
                   haystack: Haystack, *, needle_removed: bool = False,
-                  add_bos: bool = True) -> RetrievalExample:
-  """Builds one example of exactly `length` tokens (see the module docstring)."""
+                  add_bos: bool = True, phrasing: str = "train") -> RetrievalExample:
+  """Builds one example of exactly `length` tokens (see the module docstring).
+  `phrasing` in PHRASINGS picks the needle and question wording."""
   if task not in _BUILDERS:
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}.")
+  if phrasing not in PHRASINGS:
+    raise ValueError(f"unknown phrasing {phrasing!r}; expected one of {PHRASINGS}.")
   rng = np.random.default_rng(seed)
   enc = lambda s: np.asarray(tokenizer.encode(s), dtype=np.int32)
   prefix = np.asarray([tokenizer.bos_id] if add_bos else [], dtype=np.int32)
   for _ in range(100):  # redraw until no answer string occurs in the filler
-    spec = _BUILDERS[task](rng)
+    spec = _BUILDERS[task](rng, phrasing == "held_out")
     needles = [enc(n.text) for n in spec.needles]
     q_ids, a_ids = enc(spec.question), enc(spec.answer)
     body_len = length - prefix.size - q_ids.size - a_ids.size
@@ -261,7 +292,8 @@ def build_example(task: str, length: int, depth: float, seed: int, tokenizer,
       answer_items=spec.items, needle_spans=tuple(spans),
       depth_offset=prefix.size + offsets[main], body_start=prefix.size,
       body_len=body_len, depth=float(depth), seed=int(seed),
-      needle_removed=needle_removed, haystack=haystack.kind, chance=spec.chance)
+      needle_removed=needle_removed, haystack=haystack.kind, chance=spec.chance,
+      phrasing=phrasing)
 
 
 def eval_seed(base_seed: int, *parts) -> int:
@@ -285,7 +317,8 @@ def make_training_example(task: str, length: int, rng: np.random.Generator,
 
   Draws a training seed (disjoint from eval seeds) and a depth uniform in
   [0, 1] from `rng`; the haystack defaults to the "noise" filler (the
-  "alt_noise" filler and real-text haystacks stay held out). Returns
+  "alt_noise" filler, real-text haystacks and the "held_out" phrasing stay
+  held out: this function always uses the "train" phrasing). Returns
   `inputs, targets, positions, segment_ids` int32 [length] and `loss_mask`
   float32 [length] (`targets` = inputs shifted left, EOS last; with
   `answer_loss_only` only the answer tokens carry loss), plus `seed` and

@@ -78,6 +78,11 @@ class ModelConfig:
     def window_of_layer(self, layer: int) -> int | None:
         return self.attention_pattern[layer % len(self.attention_pattern)]
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Attention window of every layer in order (None = global)."""
+        return tuple(self.window_of_layer(i) for i in range(self.num_layers))
+
     def num_params(self, include_embedding: bool = True) -> int:
         """Parameter count. include_embedding=False drops the input embedding table
         (an untied unembedding is always counted: it is a matmul)."""

@@ -103,6 +103,8 @@ def test_induction_model_retrieves_and_controls_fall_to_chance(tmp_path):
   assert all(r["haystack"] == "text" for r in held)
   assert all(r["held_out"] and r["haystack"] == "noise" for r in phrased)
   assert metrics["eval/niah_single/held_out_phrasing_acc"] == 1.0
+  assert metrics["eval/passkey/held_out_acc_len256"] == 1.0
+  assert metrics["eval/niah_single/held_out_phrasing_acc_len512"] == 1.0
   assert not any("reach_class" in r for r in records)  # no windows given
   assert all(r["accuracy"] <= r["chance"] + 0.05 for r in removed)
   # Cut to the last 128 tokens, the passkey is found only when the needle lies
@@ -128,6 +130,7 @@ def test_induction_model_retrieves_and_controls_fall_to_chance(tmp_path):
   summary = open(out / "summary.md").read()
   assert "## passkey" in summary and "needle removed" in summary
   assert "held-out needle phrasing" in summary
+  assert "held-out haystack: 1.000 (by length 256: 1.00, 512: 1.00)" in summary
   ctx = json.load(open(out / "context_use.json"))
   assert ctx["length"] == 512 and ctx["ablation"]["window"] == 128
   assert [b["start"] for b in ctx["position_loss"]] == [1, 2, 4, 8, 16, 32, 64, 128, 256]

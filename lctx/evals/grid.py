@@ -157,7 +157,8 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
   per-token answer accuracy), acc_len{L} and
   min_acc_len{L} (mean / worst depth at length L), removed_acc, needle_gain
   (answer log-likelihood with minus without the needle),
-  held_out_acc (held-out haystack), held_out_phrasing_acc, loglik, window_gap
+  held_out_acc (held-out haystack) and held_out_phrasing_acc (each also per
+  length, _len{L}), loglik, window_gap
   (mean answer log-likelihood lost when the context is cut to the window: > 0
   means distant context is used) and, for local-attention models,
   acc_{window,relay,beyond} (main cells by reach class)."""
@@ -191,8 +192,10 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
       out[f"{p}/removed_acc"] = mean(removed, "accuracy")
       if main:  # answer nats the needle is worth: > 0 long before exact match
         out[f"{p}/needle_gain"] = mean(main, "loglik") - mean(removed, "loglik")
-    if held:
-      out[f"{p}/held_out_acc"] = mean(held, "accuracy")
-    if phrased:
-      out[f"{p}/held_out_phrasing_acc"] = mean(phrased, "accuracy")
+    for name, rs_ in (("held_out_acc", held), ("held_out_phrasing_acc", phrased)):
+      if rs_:
+        out[f"{p}/{name}"] = mean(rs_, "accuracy")
+        for length in sorted({r["length"] for r in rs_}):
+          out[f"{p}/{name}_len{length}"] = mean(
+              [r for r in rs_ if r["length"] == length], "accuracy")
   return out

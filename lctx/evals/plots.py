@@ -116,7 +116,12 @@ def summary_markdown(records: Sequence[dict], context: dict | None,
                        ("window_gap", "answer log-lik lost without distant context")):
       k = f"eval/{task}/{key}"
       if k in metrics:
-        lines.append(f"- {label}: {metrics[k]:.3f}")
+        per_length = sorted((int(m.rsplit("_len", 1)[1]), v)
+                            for m, v in metrics.items()
+                            if m.startswith(k + "_len"))
+        detail = ", ".join(f"{n}: {v:.2f}" for n, v in per_length)
+        lines.append(f"- {label}: {metrics[k]:.3f}"
+                     + (f" (by length {detail})" if len(per_length) > 1 else ""))
     field = next((r["receptive_field"] for r in rs if "receptive_field" in r), None)
     if field is not None:
       by_class = ", ".join(

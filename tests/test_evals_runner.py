@@ -112,7 +112,11 @@ def test_induction_model_retrieves_and_controls_fall_to_chance(tmp_path):
   pk = {r["depth"]: r["window_accuracy"] for r in main
         if r["task"] == "passkey" and r["length"] == 512}
   assert pk[1.0] == 1.0 and pk[0.0] == 0.0
+  cut = {r["depth"]: r["needle_cut"] for r in main
+         if r["task"] == "passkey" and r["length"] == 512}
+  assert cut == {0.0: True, 0.5: True, 1.0: False}
   assert metrics["eval/passkey/window_gap"] > 1.0
+  assert metrics["eval/passkey/window_gap_cut"] > metrics["eval/passkey/window_gap"]
   assert metrics["eval/passkey/needle_gain"] > 10.0
   assert metrics["eval/passkey/acc"] == 1.0 and metrics["eval/passkey/removed_acc"] == 0.0
 
@@ -155,7 +159,7 @@ def test_reach_classes_for_a_local_model(tmp_path):
   # (window). Depth 0.5: its last token is 241 back (relay). Depth 0: 445 back
   # (beyond: no path reaches it).
   cfg = EvalConfig(tasks=("passkey",), lengths=(512,), depths=(0.0, 0.5, 1.0),
-                   samples_per_cell=2, batch_size=4, window=0)
+                   samples_per_cell=2, batch_size=4, window=256)
   local = lambda b: induction_fn(b, reach=254)
   metrics = run_evals(local, TOK, config=cfg, workdir=str(tmp_path), step=3,
                       attention_windows=(128, 128))
@@ -168,6 +172,10 @@ def test_reach_classes_for_a_local_model(tmp_path):
   assert metrics["eval/passkey/acc_window"] == 1.0
   assert metrics["eval/passkey/acc_beyond"] == 0.0
   assert "receptive field 254" in open(tmp_path / "evals" / "summary.md").read()
+  # Cut to 256 >= its reach, the local model loses nothing where the cut drops
+  # the needle (depth 0): it never saw that far.
+  assert main[0.0]["needle_cut"] and not main[1.0]["needle_cut"]
+  assert abs(metrics["eval/passkey/window_gap_cut"]) < 1e-6
 
 
 def test_context_ablation_sees_copying_from_far_back():

@@ -124,10 +124,18 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
         wsc = [win_scores[pos + k] for k in range(len(exs))]
         rec.update(window=int(window),
                    window_accuracy=float(np.mean([s["exact"] for s in wsc])),
-                   window_loglik=float(np.mean([s["loglik"] for s in wsc])))
+                   window_loglik=float(np.mean([s["loglik"] for s in wsc])),
+                   # the cut drops the whole depth-placed needle in every example
+                   needle_cut=all(_depth_needle_end(e) <= len(e.tokens) - window
+                                  for e in exs))
       records.append(rec)
       pos += len(exs)
   return records
+
+
+def _depth_needle_end(ex) -> int:
+  """End (exclusive) of the depth-placed needle (always a queried needle)."""
+  return next(e for s, e in ex.needle_spans if s == ex.depth_offset)
 
 
 def reach_class(examples, attention_windows: Sequence[int | None] | None) -> dict:
@@ -139,7 +147,7 @@ def reach_class(examples, attention_windows: Sequence[int | None] | None) -> dic
   field = int(sum(w - 1 for w in attention_windows))
   near, far = [], []
   for ex in examples:
-    end = next(e for s, e in ex.needle_spans if s == ex.depth_offset)
+    end = _depth_needle_end(ex)
     first = ex.answer_start - 1
     near.append(first - ex.depth_offset)  # to the needle's first token
     far.append(first - (end - 1))         # to its last token
@@ -160,7 +168,9 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
   held_out_acc (held-out haystack) and held_out_phrasing_acc (each also per
   length, _len{L}), loglik, window_gap
   (mean answer log-likelihood lost when the context is cut to the window: > 0
-  means distant context is used) and, for local-attention models,
+  means distant context is used), window_gap_cut (the same over the cells where
+  the cut drops the whole needle: large for a model that retrieves from there,
+  ~0 for one that cannot see that far) and, for local-attention models,
   acc_{window,relay,beyond} (main cells by reach class)."""
   out: dict[str, float] = {}
   for task in dict.fromkeys(r["task"] for r in records):
@@ -188,6 +198,10 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
       if win:
         out[f"{p}/window_acc"] = mean(win, "window_accuracy")
         out[f"{p}/window_gap"] = mean(win, "loglik") - mean(win, "window_loglik")
+        cut = [r for r in win if r.get("needle_cut")]
+        if cut:
+          out[f"{p}/window_gap_cut"] = (mean(cut, "loglik")
+                                        - mean(cut, "window_loglik"))
     if removed:
       out[f"{p}/removed_acc"] = mean(removed, "accuracy")
       if main:  # answer nats the needle is worth: > 0 long before exact match

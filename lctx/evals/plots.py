@@ -113,7 +113,9 @@ def summary_markdown(records: Sequence[dict], context: dict | None,
                        ("held_out_phrasing_acc", "held-out needle phrasing"),
                        ("needle_gain", "answer log-lik gained from the needle (nats)"),
                        ("window_acc", "context cut to the window"),
-                       ("window_gap", "answer log-lik lost without distant context")):
+                       ("window_gap", "answer log-lik lost without distant context"),
+                       ("window_gap_cut", "answer log-lik lost where the cut "
+                        "drops the whole needle")):
       k = f"eval/{task}/{key}"
       if k in metrics:
         per_length = sorted((int(m.rsplit("_len", 1)[1]), v)

@@ -206,10 +206,10 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
       out[f"{p}/removed_acc"] = mean(removed, "accuracy")
       if main:  # answer nats the needle is worth: > 0 long before exact match
         out[f"{p}/needle_gain"] = mean(main, "loglik") - mean(removed, "loglik")
-    for name, rs_ in (("held_out_acc", held), ("held_out_phrasing_acc", phrased)):
-      if rs_:
-        out[f"{p}/{name}"] = mean(rs_, "accuracy")
-        for length in sorted({r["length"] for r in rs_}):
+    for name, group in (("held_out_acc", held), ("held_out_phrasing_acc", phrased)):
+      if group:
+        out[f"{p}/{name}"] = mean(group, "accuracy")
+        for length in sorted({r["length"] for r in group}):
           out[f"{p}/{name}_len{length}"] = mean(
-              [r for r in rs_ if r["length"] == length], "accuracy")
+              [r for r in group if r["length"] == length], "accuracy")
   return out

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from lctx import models
+from lctx import host, models
 from lctx.kernels import chunked_cross_entropy
 from lctx.parallel import mesh as mesh_lib
 from lctx.parallel.local import local_attention_fn
@@ -62,6 +62,9 @@ class TrainConfig:
       'splash' | 'cudnn' | 'xla'.
     attention_block_q, attention_block_kv: kernel block sizes.
     device_memory_gib: per-device memory budget used by strategy 'auto'.
+    cpu_keep_freed_memory: on the CPU backend, make glibc malloc reuse freed
+      memory rather than unmap it and page-fault it in again every step
+      (lctx/host.py). The process keeps its peak footprint.
   """
   batch_size: int = 8
   seq_len: int = 512
@@ -90,6 +93,7 @@ class TrainConfig:
   attention_block_q: int = 512
   attention_block_kv: int = 512
   device_memory_gib: float = 16.0
+  cpu_keep_freed_memory: bool = True
 
 
 # ----------------------------------------------------------------------------
@@ -187,6 +191,8 @@ class Trainer:
   def __init__(self, model_cfg: models.ModelConfig, train_cfg: TrainConfig,
                mesh):
     self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
+    if train_cfg.cpu_keep_freed_memory and mesh.devices.flat[0].platform == "cpu":
+      host.keep_freed_memory()
     self.attention_fn, self.strategy, self.load_balance = make_attention_fn(
         train_cfg, mesh, model_cfg)
     self.model = models.Transformer(model_cfg, self.attention_fn)

@@ -85,10 +85,15 @@ class MLP(nn.Module):
         w_gate, w_up, w_out = (w.astype(c.dtype) for w in (w_gate, w_up, w_out))
 
         def mlp(xc):  # [B, c, D] -> [B, c, D]; pure in xc, so it can be chunked.
-            gate = jnp.einsum("BTD,DF->BTF", xc, w_gate)
-            up = jnp.einsum("BTD,DF->BTF", xc, w_up)
-            hidden = constrain(nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
-            return jnp.einsum("BTF,FD->BTD", hidden, w_out)
+            # Token-major 2-D matmuls: with [B, T, D] einsums XLA CPU gave the
+            # backward's weight-gradient dots transposed elementwise producers
+            # (~0.6 ms each per [512, 512]); flat, the MLP fwd+bwd ran ~20% faster.
+            lead = xc.shape[:-1]
+            x2 = xc.reshape(-1, d)
+            gate, up = x2 @ w_gate, x2 @ w_up
+            hidden = constrain((nn.silu(gate) * up).reshape(lead + (f,)),
+                               ("act_batch", "act_seq", "act_mlp"))
+            return (hidden.reshape(-1, f) @ w_out).reshape(lead + (d,))
 
         if c.mlp_chunk_size is None or c.mlp_chunk_size >= x.shape[1]:
             return mlp(x)

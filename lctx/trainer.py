@@ -65,6 +65,10 @@ class TrainConfig:
     cpu_keep_freed_memory: on the CPU backend, make glibc malloc reuse freed
       memory rather than unmap it and page-fault it in again every step
       (lctx/host.py). The process keeps its peak footprint.
+    cpu_vector_width: on the CPU backend, the vector width in bits XLA
+      prefers for the elementwise code it generates (XLA's default is 256;
+      512 uses AVX-512 where the CPU has it, e.g. the attention softmax's exp
+      ran ~1.6x faster). None keeps XLA's default.
   """
   batch_size: int = 8
   seq_len: int = 512
@@ -94,6 +98,7 @@ class TrainConfig:
   attention_block_kv: int = 512
   device_memory_gib: float = 16.0
   cpu_keep_freed_memory: bool = True
+  cpu_vector_width: int | None = 512
 
 
 # ----------------------------------------------------------------------------
@@ -191,8 +196,14 @@ class Trainer:
   def __init__(self, model_cfg: models.ModelConfig, train_cfg: TrainConfig,
                mesh):
     self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
-    if train_cfg.cpu_keep_freed_memory and mesh.devices.flat[0].platform == "cpu":
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    if train_cfg.cpu_keep_freed_memory and on_cpu:
       host.keep_freed_memory()
+    # XLA options of every step this trainer compiles.
+    self.compiler_options = {}
+    if on_cpu and train_cfg.cpu_vector_width:
+      self.compiler_options["xla_cpu_prefer_vector_width"] = int(
+          train_cfg.cpu_vector_width)
     self.attention_fn, self.strategy, self.load_balance = make_attention_fn(
         train_cfg, mesh, model_cfg)
     self.model = models.Transformer(model_cfg, self.attention_fn)
@@ -218,7 +229,7 @@ class Trainer:
     self._eval_step = jax.jit(
         self._eval_step_impl,
         in_shardings=(self.state_sharding, self.batch_sharding),
-        out_shardings=None)
+        out_shardings=None, compiler_options=self.compiler_options)
 
   def _context(self):
     return _MeshRules(self.mesh, self.rules)
@@ -290,7 +301,7 @@ class Trainer:
     jitted = jax.jit(self._train_step_impl,
                      in_shardings=(self.state_sharding, self.batch_sharding),
                      out_shardings=(self.state_sharding, None),
-                     donate_argnums=(0,))
+                     donate_argnums=(0,), compiler_options=self.compiler_options)
     with self._context():
       return jitted.lower(self.abstract_state, self.abstract_batch())
 
@@ -323,7 +334,8 @@ class Trainer:
     batch_ways, _ = mesh_lib.batch_shard_counts(self.mesh)
     ring = ring_size(self.mesh)
     apply = jax.jit(lambda p, x, pos, seg: self.model.apply(
-        {"params": p}, x, pos, seg).astype(jnp.float32))
+        {"params": p}, x, pos, seg).astype(jnp.float32),
+                    compiler_options=self.compiler_options)
 
     def fn(batch):
       x = {k: np.asarray(batch[k]) for k in ("inputs", "positions",

@@ -312,3 +312,20 @@ def test_llama3_8b_preset_shapes_without_memory():
     wq = shapes["params"]["layers"]["layer_0"]["attention"]["wq"]
     assert wq.value.shape == (32, 4096, 32, 128)
     assert wq.names == ("layers", "embed", "heads", "head_dim")
+
+
+def test_rms_norm_values_and_grads_match_autodiff_formula():
+    from lctx.models.layers import rms_norm
+
+    def plain(x, scale):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+
+    kx, ks, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (2, 3, 5, 16)) * 3.0
+    scale = 1.0 + jax.random.normal(ks, (16,))
+    g = jax.random.normal(kg, x.shape)
+    got, got_vjp = jax.vjp(lambda a, b: rms_norm(a, b, 1e-5), x, scale)
+    want, want_vjp = jax.vjp(plain, x, scale)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_vjp(g), want_vjp(g)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

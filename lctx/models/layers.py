@@ -5,6 +5,7 @@ H head dim, D d_model, F MLP hidden, E vocab.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import flax.linen as nn
@@ -45,9 +46,42 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,),
                       self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+        y = rms_norm(x.astype(jnp.float32), scale.astype(jnp.float32), self.eps)
+        return y.astype(self.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x, scale, eps):
+    """x `[..., D]` / rms over D, times scale `[D]` (float32 in and out).
+
+    The same math as `x * rsqrt(mean(x^2) + eps) * scale` under autodiff, with
+    every sum written as a matmul against a ones vector: XLA CPU ran the
+    reductions of the autodiff version (mean over D, and the scale gradient's
+    sum over tokens) ~7x slower than the whole norm takes this way.
+    """
+    return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps):
+    d = x.shape[-1]
+    inv_d = jnp.full((d,), 1.0 / d, x.dtype)
+    r = jax.lax.rsqrt((x * x) @ inv_d + eps)[..., None]  # 1 / rms, [..., 1]
+    xn = x * r
+    return xn * scale, (xn, r, scale)
+
+
+def _rms_norm_bwd(eps, res, g):
+    del eps
+    xn, r, scale = res
+    d = xn.shape[-1]
+    gs = g * scale
+    # d/dx of xn = x r: r (gs - xn mean(gs xn)); d/dscale: sum over tokens of g xn.
+    dx = r * (gs - xn * ((gs * xn) @ jnp.full((d,), 1.0 / d, xn.dtype))[..., None])
+    dscale = jnp.ones((xn.size // d,), xn.dtype) @ (g * xn).reshape(-1, d)
+    return dx, dscale
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def apply_rope(x, positions, theta: float):

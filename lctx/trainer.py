@@ -61,6 +61,8 @@ class TrainConfig:
     attention_backend: kernel backend, 'auto' | 'blockwise' | 'reference' |
       'splash' | 'cudnn' | 'xla'.
     attention_block_q, attention_block_kv: kernel block sizes.
+    attention_block_q_bwd, attention_block_kv_bwd: the backward pass's (None:
+      the same); it holds about twice the forward's temporaries per block.
     device_memory_gib: per-device memory budget used by strategy 'auto'.
     cpu_keep_freed_memory: on the CPU backend, make glibc malloc reuse freed
       memory rather than unmap it and page-fault it in again every step
@@ -96,6 +98,8 @@ class TrainConfig:
   attention_backend: str = "auto"
   attention_block_q: int = 512
   attention_block_kv: int = 512
+  attention_block_q_bwd: int | None = None
+  attention_block_kv_bwd: int | None = None
   device_memory_gib: float = 16.0
   cpu_keep_freed_memory: bool = True
   cpu_vector_width: int | None = 512
@@ -174,7 +178,9 @@ def make_attention_fn(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
         f" got mesh {shape}.")
   kernel_args = dict(kernel_backend=cfg.attention_backend,
                      block_q=cfg.attention_block_q,
-                     block_kv=cfg.attention_block_kv)
+                     block_kv=cfg.attention_block_kv,
+                     block_q_bwd=cfg.attention_block_q_bwd,
+                     block_kv_bwd=cfg.attention_block_kv_bwd)
   if strategy == "none":
     fn = local_attention_fn(**kernel_args)
   else:

@@ -100,12 +100,13 @@ def _values_and_grads(fn, q, k, v, **kw):
     return jax.jit(both)(q, k, v)
 
 
-def _check(name, dtype, block_q, block_kv):
+def _check(name, dtype, block_q, block_kv, **bwd_blocks):
     case = _case(name)
     q, k, v = _qkv(*case["shape"], dtype)
     kw = case["kw"]
     (out, lse), grads = _values_and_grads(
-        flash_attention, q, k, v, block_q=block_q, block_kv=block_kv, backend="blockwise", **kw)
+        flash_attention, q, k, v, block_q=block_q, block_kv=block_kv, backend="blockwise",
+        **bwd_blocks, **kw)
     # The reference runs in f32 on the same (possibly bf16-rounded) inputs.
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
     (ref_out, ref_lse), ref_grads = _values_and_grads(reference_attention, q32, k32, v32, **kw)
@@ -136,6 +137,13 @@ def test_blockwise_matches_reference_f32(name):
                                   "zigzag_positions", "window"])
 def test_blockwise_matches_reference_bf16(name):
     _check(name, jnp.bfloat16, block_q=32, block_kv=32)
+
+
+@pytest.mark.parametrize("name", ["causal", "packed_padding", "mqa", "unequal_lengths",
+                                  "window_noncausal_packed"])
+def test_blockwise_backward_blocks_differ_from_forward(name):
+    # The backward re-blocks q/k/v, out, lse and dout with its own sizes.
+    _check(name, jnp.float32, block_q=32, block_kv=24, block_q_bwd=16, block_kv_bwd=40)
 
 
 def test_single_block_and_default_blocks():

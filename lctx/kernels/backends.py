@@ -71,7 +71,8 @@ def _zero_padding_rows(out, segment_ids):
 
 
 def splash_attention(q, k, v, *, segment_ids=None, causal=True, window_size=None,
-                     softmax_scale=None, block_q=512, block_kv=512, interpret=False):
+                     softmax_scale=None, block_q=512, block_kv=512, block_q_bwd=None,
+                     block_kv_bwd=None, interpret=False):
     """TPU splash attention. q `[B, T, N, H]`, k/v `[B, S, K, H]`; masks by array
     order (default positions). GQA runs the MQA kernel per kv head (no K/V copy)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (  # TPU-only deps
@@ -90,9 +91,10 @@ def splash_attention(q, k, v, *, segment_ids=None, causal=True, window_size=None
     else:
         base = sm.FullMask((t, s))
     bq, bk = min(block_q, t), min(block_kv, s)
-    sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
-                          block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
-                          block_kv_dq=bk)
+    gq, gk = min(block_q_bwd or block_q, t), min(block_kv_bwd or block_kv, s)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=gq,
+                          block_kv_dkv=gk, block_kv_dkv_compute=gk, block_q_dq=gq,
+                          block_kv_dq=gk)
     kernel = sk.make_splash_mqa(sm.MultiHeadMask([base] * g), block_sizes=sizes,
                                 head_shards=1, q_seq_shards=1, interpret=interpret)
     qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
@@ -129,7 +131,8 @@ def xla_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=N
 
 def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=None,
                     causal=True, window_size=None, softmax_scale=None, return_lse=False,
-                    block_q=512, block_kv=512, backend="auto", positions_in_order=False):
+                    block_q=512, block_kv=512, backend="auto", positions_in_order=False,
+                    block_q_bwd=None, block_kv_bwd=None):
     """Attention without the score matrix, skipping fully masked blocks.
 
     Args/returns as `lctx.kernels.reference_attention`: q `[B, T, N, H]`, k
@@ -138,6 +141,8 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
     `[B, T, N, V]` (and lse `[B, N, T]` f32 if return_lse). Differentiable in
     q, k, v (and through lse on the blockwise backend).
     backend: one of BACKENDS (see module docstring).
+    block_q, block_kv: kernel blocks (blockwise, splash); block_q_bwd,
+      block_kv_bwd: the backward pass's (None: the same).
     positions_in_order: the caller promises that positions count up by one along
       the array inside every segment, starting equal for q and kv (plain or packed
       rows, not zigzag-reordered, not a visiting ring block). Then the array-order
@@ -162,7 +167,8 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
             backend = "blockwise"
     if backend == "blockwise":
         return blockwise_attention(q, k, v, return_lse=return_lse, block_q=block_q,
-                                   block_kv=block_kv, **common)
+                                   block_kv=block_kv, block_q_bwd=block_q_bwd,
+                                   block_kv_bwd=block_kv_bwd, **common)
     if backend == "reference":
         return reference_attention(q, k, v, return_lse=return_lse, **common)
     if backend == "xla":
@@ -175,7 +181,8 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
             raise ValueError(f"backend='splash': {why}")
         return splash_attention(q, k, v, segment_ids=segment_ids, causal=causal,
                                 window_size=window_size, softmax_scale=softmax_scale,
-                                block_q=block_q, block_kv=block_kv)
+                                block_q=block_q, block_kv=block_kv, block_q_bwd=block_q_bwd,
+                                block_kv_bwd=block_kv_bwd)
     why = _cudnn_unsupported(q, k, v, segment_ids, positions_given, window_size, return_lse)
     if why:
         raise ValueError(f"backend='cudnn': {why}")

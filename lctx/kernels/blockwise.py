@@ -138,7 +138,7 @@ def _flash_fwd(q, k, v, mask, cfg):
 def _flash_bwd(cfg, res, cts):
     q, k, v, out, lse, mask = res
     dout, dlse = cts
-    dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, mask, cfg)
+    dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, mask, cfg.for_backward())
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -146,23 +146,27 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _setup(q, k, v, segment_ids, q_positions, kv_positions, causal, window_size,
-           softmax_scale, block_q, block_kv, count_blocks=False):
+           softmax_scale, block_q, block_kv, count_blocks=False, block_q_bwd=None,
+           block_kv_bwd=None):
     b, t, s, _, _, h, _ = check_shapes(q, k, v)
     mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)
     bq, bk, _, _ = _block_sizes(t, s, block_q, block_kv)
+    bwd_q, bwd_kv, _, _ = _block_sizes(t, s, block_q_bwd or block_q, block_kv_bwd or block_kv)
     cfg = Cfg(bool(causal), None if window_size is None else int(window_size),
-              default_scale(h, softmax_scale), bq, bk, count_blocks)
+              default_scale(h, softmax_scale), bq, bk, count_blocks, bwd_q, bwd_kv)
     return mask, cfg
 
 
 def blockwise_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=None,
                         causal=True, window_size=None, softmax_scale=None, return_lse=False,
-                        block_q=512, block_kv=512):
+                        block_q=512, block_kv=512, block_q_bwd=None, block_kv_bwd=None):
     """Block-sparse flash attention (pure JAX). Same contract as
     `lctx.kernels.reference_attention`: out `[B, T, N, V]` in q.dtype, and lse
-    `[B, N, T]` f32 when return_lse. Gradients flow through out and lse."""
+    `[B, N, T]` f32 when return_lse. Gradients flow through out and lse.
+    block_q_bwd, block_kv_bwd: blocks of the backward pass (None: the forward's)."""
     mask, cfg = _setup(q, k, v, segment_ids, q_positions, kv_positions, causal, window_size,
-                       softmax_scale, block_q, block_kv)
+                       softmax_scale, block_q, block_kv, block_q_bwd=block_q_bwd,
+                       block_kv_bwd=block_kv_bwd)
     out, lse = _flash(q, k, v, mask, cfg)
     return (out, lse) if return_lse else out
 

@@ -37,6 +37,14 @@ class Cfg(NamedTuple):
     block_q: int
     block_kv: int
     count_blocks: bool = False  # debug: also return how many blocks were computed
+    # Blocks of the backward pass, which holds ~2x the forward's per-step
+    # temporaries (s, p, dp, ds); None: the forward's.
+    bwd_block_q: int | None = None
+    bwd_block_kv: int | None = None
+
+    def for_backward(self) -> "Cfg":
+        return self._replace(block_q=self.bwd_block_q or self.block_q,
+                             block_kv=self.bwd_block_kv or self.block_kv)
 
 
 class Blocked(NamedTuple):

@@ -33,6 +33,8 @@ class AttnConfig:
     block_q: int = 512
     block_kv: int = 512
     backend: str = "auto"
+    block_q_bwd: int | None = None  # backward blocks of `attend` (None: the same)
+    block_kv_bwd: int | None = None
     # Each ring hop can be split into sub_chunks x sub_chunks (q, kv) pairs that are
     # skipped independently and bound the kernel's per-call temporaries (layout
     # copies of q/k/v/out/dout scale with the call's length). None = auto: one call
@@ -69,7 +71,8 @@ def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
     return kernels.flash_attention(
         q, k, v, segment_ids=(q_seg, kv_seg), q_positions=q_pos, kv_positions=kv_pos,
         causal=cfg.causal, window_size=cfg.window_size, softmax_scale=cfg.softmax_scale,
-        block_q=cfg.block_q, block_kv=cfg.block_kv, backend=cfg.backend)
+        block_q=cfg.block_q, block_kv=cfg.block_kv, backend=cfg.backend,
+        block_q_bwd=cfg.block_q_bwd, block_kv_bwd=cfg.block_kv_bwd)
 
 
 def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):

@@ -122,7 +122,9 @@ def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions):
 def make_attention_fn(mesh, strategy: str, *, kernel_backend: str = "auto",
                       block_q: int = 512, block_kv: int = 512,
                       sub_chunks: int | None = None,
-                      load_balance: bool | None = None):
+                      load_balance: bool | None = None,
+                      block_q_bwd: int | None = None,
+                      block_kv_bwd: int | None = None):
     """Builds the model's attention plug-in for one resolved strategy.
 
     The batch it sees must already be in the order the pipeline produced (zigzag
@@ -141,7 +143,8 @@ def make_attention_fn(mesh, strategy: str, *, kernel_backend: str = "auto",
             num_kv_heads=k.shape[2], seq_len=q.shape[1], load_balance=bool(load_balance))
         cfg = AttnConfig(causal=bool(causal), window_size=window_size,
                          softmax_scale=softmax_scale, block_q=block_q, block_kv=block_kv,
-                         backend=kernel_backend, sub_chunks=sub_chunks)
+                         backend=kernel_backend, sub_chunks=sub_chunks,
+                         block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd)
         return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
 
     return attention_fn

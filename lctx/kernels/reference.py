@@ -32,6 +32,8 @@ def reference_attention(
     block_q: int = 512,
     block_kv: int = 512,
     backend: str = "auto",
+    block_q_bwd: int | None = None,
+    block_kv_bwd: int | None = None,
 ):
     """Masked softmax attention, computed densely in float32.
 
@@ -45,13 +47,14 @@ def reference_attention(
       causal, window_size: see `lctx.kernels.masking`.
       softmax_scale: default 1/sqrt(H).
       return_lse: also return the log-sum-exp `[B, N, T]` float32.
-      block_q, block_kv, backend: accepted for signature compatibility; unused.
+      block_q, block_kv, backend, block_q_bwd, block_kv_bwd: accepted for
+        signature compatibility; unused.
 
     Returns:
       out `[B, T, N, V]` in q.dtype (0 for rows that see no key), and lse `[B, N, T]`
       float32 (MASKED_LSE for rows that see no key) when return_lse.
     """
-    del block_q, block_kv, backend
+    del block_q, block_kv, backend, block_q_bwd, block_kv_bwd
     b, t, s, n, kh, h, vd = check_shapes(q, k, v)
     g = n // kh
     mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)

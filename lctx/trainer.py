@@ -202,6 +202,14 @@ class Trainer:
   def __init__(self, model_cfg: models.ModelConfig, train_cfg: TrainConfig,
                mesh):
     self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
+    if train_cfg.cpu_vector_width not in (None, 128, 256, 512):
+      raise ValueError("TrainConfig.cpu_vector_width must be None, 128, 256 or "
+                       f"512 (bits); got {train_cfg.cpu_vector_width!r}.")
+    for name in ("attention_block_q_bwd", "attention_block_kv_bwd"):
+      value = getattr(train_cfg, name)
+      if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"TrainConfig.{name} must be None or a positive int; "
+                         f"got {value!r}.")
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     if train_cfg.cpu_keep_freed_memory and on_cpu:
       host.keep_freed_memory()

@@ -91,6 +91,27 @@ def test_batch_not_divisible_by_data_axes_is_an_error():
                               context_parallel_strategy="all_gather"), mesh)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("cpu_vector_width", 300, "cpu_vector_width must be None, 128, 256 or 512"),
+    ("attention_block_q_bwd", 0, "attention_block_q_bwd must be None or a positive"),
+])
+def test_bad_cpu_and_block_settings_are_errors(field, value, message):
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, context=2))
+  cfg = TrainConfig(batch_size=4, seq_len=64, context_parallel_strategy="all_gather",
+                    **{field: value})
+  with pytest.raises(ValueError, match=message):
+    Trainer(TINY, cfg, mesh)
+
+
+def test_cpu_vector_width_reaches_the_compiled_steps():
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, context=2))
+  base = dict(batch_size=4, seq_len=64, context_parallel_strategy="all_gather")
+  assert Trainer(TINY, TrainConfig(**base), mesh).compiler_options == {
+      "xla_cpu_prefer_vector_width": 512}
+  assert Trainer(TINY, TrainConfig(cpu_vector_width=None, **base),
+                 mesh).compiler_options == {}
+
+
 def test_unknown_gin_binding_is_an_error():
   gin.clear_config()
   with pytest.raises(ValueError, match="No configurable matching 'NotAThing'"):

@@ -69,8 +69,8 @@ class TrainConfig:
       (lctx/host.py). The process keeps its peak footprint.
     cpu_vector_width: on the CPU backend, the vector width in bits XLA
       prefers for the elementwise code it generates (XLA's default is 256;
-      512 uses AVX-512 where the CPU has it, e.g. the attention softmax's exp
-      ran ~1.6x faster). None keeps XLA's default.
+      512 uses AVX-512 where the CPU has it: the attention softmax's exp ran
+      ~1.4x faster). None keeps XLA's default.
   """
   batch_size: int = 8
   seq_len: int = 512

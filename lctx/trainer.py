@@ -17,7 +17,7 @@ import optax
 from absl import logging
 
 from lctx import host, models
-from lctx.kernels import chunked_cross_entropy
+from lctx.kernels import chunked_cross_entropy, cpu_fused
 from lctx.parallel import mesh as mesh_lib
 from lctx.parallel.local import local_attention_fn
 
@@ -58,8 +58,8 @@ class TrainConfig:
       'auto' | 'none' (no context parallelism: attention on one device).
     load_balance: zigzag reorder for causal load balance; None picks the
       strategy's default (on for ring and usp).
-    attention_backend: kernel backend, 'auto' | 'blockwise' | 'reference' |
-      'splash' | 'cudnn' | 'xla'.
+    attention_backend: kernel backend, 'auto' | 'blockwise' | 'cpu' |
+      'reference' | 'splash' | 'cudnn' | 'xla' (lctx.kernels.flash_attention).
     attention_block_q, attention_block_kv: kernel block sizes.
     attention_block_q_bwd, attention_block_kv_bwd: the backward pass's (None:
       the same); it holds about twice the forward's temporaries per block.
@@ -181,6 +181,14 @@ def make_attention_fn(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
                      block_kv=cfg.attention_block_kv,
                      block_q_bwd=cfg.attention_block_q_bwd,
                      block_kv_bwd=cfg.attention_block_kv_bwd)
+  if cfg.attention_backend == "auto" and jax.default_backend() == "cpu":
+    if cpu_fused.available():
+      logging.info("attention: float32 calls run the fused C++ CPU kernel "
+                   "(lctx/kernels/cpu_attention.cc)")
+    else:
+      logging.warning("attention: the fused C++ CPU kernel is unavailable (%s); "
+                      "using the pure-JAX blockwise kernel",
+                      cpu_fused.unavailable_reason())
   if strategy == "none":
     fn = local_attention_fn(**kernel_args)
   else:

@@ -1,4 +1,5 @@
-"""Flash attention (blockwise backend) vs the dense reference: values, lse, grads.
+"""Flash attention (blockwise and fused-CPU backends) vs the dense reference:
+values, lse, grads.
 
 Every case differentiates a loss through both out and lse, so the lse cotangent
 path (used by ring merges) is checked too.
@@ -60,6 +61,9 @@ def _case(name):
         "mha": dict(shape=(1, t, t, 3, 3, h, h), kw={}),
         "mqa": dict(shape=(b, t, t, 6, 1, h, h), kw=dict(segment_ids=seg)),
         "mla_head_dims": dict(shape=(b, t, t, n, kh, 24, 8), kw={}),
+        "mla_head_dims16": dict(shape=(b, t, t, n, kh, 48, 32), kw=dict(segment_ids=seg)),
+        # Lengths that are no multiple of any block or of the fused kernel's granules.
+        "odd_lengths": dict(shape=(b, 37, 101, n, kh, h, h), kw=dict(causal=False)),
         "window": dict(shape=(b, t, t, n, kh, h, h), kw=dict(window_size=17)),
         "window_noncausal_packed": dict(shape=(b, t, t, n, kh, h, h),
                                         kw=dict(window_size=9, causal=False, segment_ids=seg)),
@@ -100,12 +104,12 @@ def _values_and_grads(fn, q, k, v, **kw):
     return jax.jit(both)(q, k, v)
 
 
-def _check(name, dtype, block_q, block_kv, **bwd_blocks):
+def _check(name, dtype, block_q, block_kv, backend="blockwise", **bwd_blocks):
     case = _case(name)
     q, k, v = _qkv(*case["shape"], dtype)
     kw = case["kw"]
     (out, lse), grads = _values_and_grads(
-        flash_attention, q, k, v, block_q=block_q, block_kv=block_kv, backend="blockwise",
+        flash_attention, q, k, v, block_q=block_q, block_kv=block_kv, backend=backend,
         **bwd_blocks, **kw)
     # The reference runs in f32 on the same (possibly bf16-rounded) inputs.
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
@@ -163,3 +167,76 @@ def test_padding_rows_are_zero_with_masked_lse():
     g = jax.jit(jax.grad(lambda q: jnp.sum(flash_attention(
         q, k, v, segment_ids=seg, block_q=32, block_kv=32))))(q)
     assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g[0, pad]).max()) == 0.0
+
+
+# --- the fused CPU kernel (backend="cpu", lctx/kernels/cpu_attention.cc) ----------
+
+CPU_CASES = [c for c in ALL_CASES if c != "mla_head_dims"] + ["mla_head_dims16", "odd_lengths"]
+
+
+def _need_cpu_kernel():
+    from lctx.kernels import cpu_fused
+    if cpu_fused._compiler() is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert cpu_fused.available(), cpu_fused.unavailable_reason()
+
+
+@pytest.mark.parametrize("name", CPU_CASES)
+def test_cpu_kernel_matches_reference(name):
+    _need_cpu_kernel()
+    # Several q and kv blocks per example (kv blocks are multiples of 64 keys).
+    _check(name, jnp.float32, block_q=16, block_kv=64, backend="cpu")
+
+
+@pytest.mark.parametrize("name", ["causal", "packed_padding", "mqa", "window_noncausal_packed",
+                                  "zigzag_positions"])
+def test_cpu_kernel_backward_blocks_differ(name):
+    _need_cpu_kernel()
+    _check(name, jnp.float32, block_q=24, block_kv=128, backend="cpu", block_q_bwd=8,
+           block_kv_bwd=64)
+
+
+def test_cpu_kernel_padding_rows_and_auto_choice():
+    _need_cpu_kernel()
+    case = _case("packed_padding")
+    q, k, v = _qkv(*case["shape"], jnp.float32)
+    seg = case["kw"]["segment_ids"]
+    fn = lambda q, k, v: flash_attention(q, k, v, segment_ids=seg, return_lse=True)  # noqa: E731
+    # "auto" on CPU takes the fused kernel for float32 ...
+    assert "lctx_cpu_attention_fwd" in str(jax.make_jaxpr(fn)(q, k, v))
+    out, lse = jax.jit(fn)(q, k, v)
+    pad = seg[0] == 0
+    assert float(jnp.abs(out[0, pad]).max()) == 0.0
+    assert bool(jnp.all(lse[0][:, pad] == MASKED_LSE))
+    # ... and the blockwise kernel where the fused one does not apply (bf16).
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    assert "lctx_cpu_attention_fwd" not in str(jax.make_jaxpr(fn)(qb, kb, vb))
+
+
+def test_cpu_kernel_rejects_what_it_cannot_run():
+    q, k, v = _qkv(1, 32, 32, 2, 2, 16, 16, jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        flash_attention(q, k, v, backend="cpu")
+    q, k, v = _qkv(1, 32, 32, 2, 2, 24, 8, jnp.float32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        flash_attention(q, k, v, backend="cpu")
+
+
+def test_cpu_kernel_unavailable_falls_back_or_says_why(tmp_path):
+    import subprocess
+    import sys
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from lctx.kernels import flash_attention\n"
+        "q = jnp.ones((1, 16, 2, 16))\n"
+        "assert 'lctx_cpu' not in str(jax.make_jaxpr(flash_attention)(q, q, q))\n"
+        "try:\n"
+        "    flash_attention(q, q, q, backend='cpu')\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n")
+    env = dict(__import__("os").environ, LCTX_DISABLE_CPU_KERNEL="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ERR backend='cpu': the fused CPU kernel is unavailable: disabled by " \
+           "LCTX_DISABLE_CPU_KERNEL" in proc.stdout

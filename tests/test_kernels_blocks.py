@@ -242,3 +242,32 @@ def test_kernel_runs_inside_shard_map():
     ref_dq = [jax.vjp(lambda q: reference_attention(q, k[:, s], v[:, s]), q[:, s])[1](r)[0]
               for s, r in zip(chunks, ref)]
     np.testing.assert_allclose(dq, jnp.concatenate(ref_dq, 1), atol=5e-5)
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "cpu"])
+def test_grads_inside_shard_map_with_replicated_kv(backend):
+    """q sharded over `context`, K/V replicated: the custom_vjp's dK/dV must come back
+    summed over the devices (typed like K/V), as plain autodiff would give."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    t = 128
+    q, k, v = _qkv(1, t, t, 4, 2, 16)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+
+    def loss(fn, q, k, v):
+        def local(q, k, v, q_pos):
+            return fn(q, k, v, q_positions=q_pos, kv_positions=pos)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"), P(), P(),
+                                                        P(None, "context")),
+                            out_specs=P(None, "context"))(q, k, v, pos)
+        return jnp.sum(out * jnp.cos(out))
+
+    kernel = lambda *a, **kw: flash_attention(*a, backend=backend, block_q=16,  # noqa: E731
+                                              block_kv=64, **kw)
+    got = jax.jit(jax.grad(lambda *a: loss(kernel, *a), (0, 1, 2)))(q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum((lambda o: o * jnp.cos(o))(
+        reference_attention(q, k, v))), (0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=5e-5)

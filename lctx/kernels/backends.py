@@ -1,6 +1,9 @@
 """`flash_attention`: one entry point, backend chosen by platform and mask.
 
 - "blockwise": the pure-JAX block-sparse kernel (blockwise.py); any mask, lse.
+- "cpu": the fused C++ kernel on the XLA CPU backend (cpu_fused.py, through XLA
+  FFI): the same masks and lse as blockwise, float32 and head dims that are
+  multiples of 16; compiled on first use.
 - "reference": the dense plain-jnp reference.
 - "xla": `jax.nn.dot_product_attention(implementation="xla")` with a dense mask
   (a baseline: materialises the logits; no lse).
@@ -8,7 +11,8 @@
   array order, so only with default positions or positions_in_order=True).
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` on GPU for plain
   causal/full masks, bf16/fp16, no segments, default or in-order positions.
-- "auto": splash on TPU and cudnn on GPU where the call qualifies, else blockwise.
+- "auto": splash on TPU, cudnn on GPU and cpu on CPU where the call qualifies
+  (for cpu: the kernel also built here), else blockwise.
 
 Explicitly requested fast backends raise a ValueError naming the rule they
 cannot satisfy, rather than silently falling back. Everything imports on CPU:
@@ -19,11 +23,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lctx.kernels import cpu_fused
 from lctx.kernels.blockwise import blockwise_attention
 from lctx.kernels.masking import check_shapes, default_scale, dense_mask, normalize_mask_args
 from lctx.kernels.reference import reference_attention
 
-BACKENDS = ("auto", "blockwise", "reference", "splash", "cudnn", "xla")
+BACKENDS = ("auto", "blockwise", "cpu", "reference", "splash", "cudnn", "xla")
 
 
 def _splash_unsupported(q, k, v, positions_given, return_lse) -> str:
@@ -141,7 +146,7 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
     `[B, T, N, V]` (and lse `[B, N, T]` f32 if return_lse). Differentiable in
     q, k, v (and through lse on the blockwise backend).
     backend: one of BACKENDS (see module docstring).
-    block_q, block_kv: kernel blocks (blockwise, splash); block_q_bwd,
+    block_q, block_kv: kernel blocks (blockwise, cpu, splash); block_q_bwd,
       block_kv_bwd: the backward pass's (None: the same).
     positions_in_order: the caller promises that positions count up by one along
       the array inside every segment, starting equal for q and kv (plain or packed
@@ -163,12 +168,22 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
         elif platform == "gpu" and not _cudnn_unsupported(
                 q, k, v, segment_ids, positions_given, window_size, return_lse):
             backend = "cudnn"
+        elif (platform == "cpu" and not cpu_fused.unsupported(q, k, v)
+              and cpu_fused.available()):
+            backend = "cpu"
         else:
             backend = "blockwise"
     if backend == "blockwise":
         return blockwise_attention(q, k, v, return_lse=return_lse, block_q=block_q,
                                    block_kv=block_kv, block_q_bwd=block_q_bwd,
                                    block_kv_bwd=block_kv_bwd, **common)
+    if backend == "cpu":
+        if jax.default_backend() != "cpu":
+            raise ValueError("backend='cpu' runs on the XLA CPU backend only; "
+                             f"this process computes on {jax.default_backend()!r}")
+        return cpu_fused.cpu_fused_attention(q, k, v, return_lse=return_lse, block_q=block_q,
+                                             block_kv=block_kv, block_q_bwd=block_q_bwd,
+                                             block_kv_bwd=block_kv_bwd, **common)
     if backend == "reference":
         return reference_attention(q, k, v, return_lse=return_lse, **common)
     if backend == "xla":

@@ -11,7 +11,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lctx.kernels.flash import Blocked, Cfg, _backward_example, _forward_example
+from lctx.kernels.flash import (
+    Blocked,
+    Cfg,
+    _backward_example,
+    _forward_example,
+    cotangent_like,
+)
 from lctx.kernels.masking import (
     MASKED_LSE,
     MaskArgs,
@@ -139,6 +145,8 @@ def _flash_bwd(cfg, res, cts):
     q, k, v, out, lse, mask = res
     dout, dlse = cts
     dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, mask, cfg.for_backward())
+    every = (q, k, v, dout, *mask)
+    dq, dk, dv = (cotangent_like(ct, p, *every) for ct, p in zip((dq, dk, dv), (q, k, v)))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

@@ -56,16 +56,31 @@ class Blocked(NamedTuple):
     kv_seg: jnp.ndarray | None  # [nk, bk]
 
 
+def _vma(x) -> set:
+    """The shard_map mesh axes along which x varies (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older: aval.vma
+    return set(mat.varying if mat is not None else getattr(aval, "vma", ()) or ())
+
+
 def _varying_like(x, *refs):
     """Marks a fresh loop carry (zeros) as varying over the same shard_map mesh axes
     as the inputs, so lax loops type-check inside shard_map (a no-op outside)."""
     axes = set()
     for r in refs:
         if r is not None:
-            aval = jax.typeof(r)
-            mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older: aval.vma
-            axes |= set(mat.varying if mat is not None else getattr(aval, "vma", ()) or ())
+            axes |= _vma(r)
+    axes -= _vma(x)
     return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
+def cotangent_like(ct, primal, *refs):
+    """A custom_vjp cotangent typed like its primal inside shard_map: varying over
+    the axes of every input (refs), then summed over the axes along which the
+    primal does not vary (e.g. K/V replicated while q is sharded)."""
+    ct = _varying_like(ct, *refs)
+    extra = tuple(sorted(_vma(ct) - _vma(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
 
 
 def _elem_mask(cfg: Cfg, qp, qs, kp, ks):

@@ -1,0 +1,227 @@
+"""Fused CPU flash attention: the C++ kernel in cpu_attention.cc, through XLA FFI.
+
+The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else
+g++ or c++) against the XLA FFI headers that ship with jaxlib, with
+`-march=native`, and cached under `$LCTX_KERNEL_CACHE` (default
+`~/.cache/lctx/kernels`), keyed by the source, jaxlib version, compiler and host
+CPU. Where no compiler works, `available()` is False and says why;
+`flash_attention(backend="auto")` then stays on the pure-JAX blockwise kernel.
+
+Scope: float32 q/k/v, head dims that are multiples of 16, any mask of
+masking.py (segments, causal, window on explicit positions), GQA/MQA. One call
+runs on one device's shard (inside shard_map that is the local block), single
+threaded: on the fake-device CPU mesh every device already has its own thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lctx.kernels.flash import _varying_like, cotangent_like
+from lctx.kernels.masking import check_shapes, default_scale, normalize_mask_args
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cc")
+_FWD, _BWD = "lctx_cpu_attention_fwd", "lctx_cpu_attention_bwd"
+_Q_MULT, _KV_MULT = 8, 64  # the kernel's length granules (cpu_attention.cc)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LCTX_KERNEL_CACHE",
+                               Path.home() / ".cache" / "lctx" / "kernels"))
+
+
+def _build() -> Path:
+    """Compiles (or finds cached) the shared library; raises RuntimeError why not."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    include = jax.ffi.include_dir()
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), (Path(include) / "xla/ffi/api/ffi.h").read_bytes(),
+                 jax.__version__.encode(), cxx.encode(), " ".join(flags).encode(),
+                 _cpu_id().encode()):
+        key.update(part)
+    out = _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, f"-I{include}", str(_SOURCE), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n"
+                           f"{proc.stderr[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    """(available, reason). Registers the FFI targets once per process."""
+    if os.environ.get("LCTX_DISABLE_CPU_KERNEL"):
+        return False, "disabled by LCTX_DISABLE_CPU_KERNEL"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+    except (RuntimeError, OSError) as e:
+        return False, str(e)
+    jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.LctxCpuAttentionForward),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.LctxCpuAttentionBackward),
+                                platform="cpu")
+    return True, ""
+
+
+def available() -> bool:
+    """True when the fused kernel is built and registered (compiles on first call)."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str:
+    return _load()[1]
+
+
+def unsupported(q, k, v) -> str:
+    """Why these inputs cannot use the kernel ('' if they can)."""
+    _, _, _, _, _, h, vd = check_shapes(q, k, v)
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if dtypes != {jnp.dtype(jnp.float32)}:
+        return f"the fused CPU kernel takes float32 q/k/v (got {sorted(map(str, dtypes))})"
+    if h % 16 or vd % 16:
+        return f"the fused CPU kernel needs head dims that are multiples of 16 (got {h}, {vd})"
+    return ""
+
+
+class _Cfg(NamedTuple):
+    causal: bool
+    window: int  # 0: none
+    scale: float
+    block_q: int
+    block_kv: int
+    block_q_bwd: int
+    block_kv_bwd: int
+
+
+def _round_block(block: int, mult: int, length: int) -> int:
+    return max(mult, min(block, length) // mult * mult)
+
+
+def _pad(x, length, value=0):
+    pad = length - x.shape[1]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _attrs(cfg: _Cfg, backward: bool):
+    return dict(causal=np.int64(cfg.causal), window=np.int64(cfg.window),
+                scale=np.float32(cfg.scale),
+                block_q=np.int64(cfg.block_q_bwd if backward else cfg.block_q),
+                block_kv=np.int64(cfg.block_kv_bwd if backward else cfg.block_kv))
+
+
+def _fwd_call(q, k, v, mask_arrays, cfg: _Cfg):
+    b, t, n, _ = q.shape
+    vd = v.shape[-1]
+    call = jax.ffi.ffi_call(
+        _FWD, (jax.ShapeDtypeStruct((b, t, n, vd), jnp.float32),
+               jax.ShapeDtypeStruct((b, n, t), jnp.float32)), vmap_method="sequential")
+    out, lse = call(q, k, v, *mask_arrays, **_attrs(cfg, False))
+    # Inside shard_map, FFI results carry no device-varying type: give them the inputs'.
+    return tuple(_varying_like(x, q, k, v, *mask_arrays) for x in (out, lse))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused(q, k, v, mask_arrays, cfg: _Cfg):
+    return _fwd_call(q, k, v, mask_arrays, cfg)
+
+
+def _fused_fwd(q, k, v, mask_arrays, cfg):
+    out, lse = _fwd_call(q, k, v, mask_arrays, cfg)
+    return (out, lse), (q, k, v, out, lse, mask_arrays)
+
+
+def _fused_bwd(cfg, res, cts):
+    q, k, v, out, lse, mask_arrays = res
+    dout, dlse = cts
+    delta = jnp.sum(dout * out, axis=-1).transpose(0, 2, 1) - dlse  # [B, N, T]
+    call = jax.ffi.ffi_call(
+        _BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+               jax.ShapeDtypeStruct(k.shape, jnp.float32),
+               jax.ShapeDtypeStruct(v.shape, jnp.float32)), vmap_method="sequential")
+    dq, dk, dv = call(q, k, v, dout, lse, delta, *mask_arrays, **_attrs(cfg, True))
+    every = (q, k, v, dout, *mask_arrays)
+    dq, dk, dv = (cotangent_like(ct, p, *every) for ct, p in zip((dq, dk, dv), (q, k, v)))
+    zeros = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), mask_arrays)
+    return dq, dk, dv, zeros
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def cpu_fused_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=None,
+                        causal=True, window_size=None, softmax_scale=None, return_lse=False,
+                        block_q=64, block_kv=256, block_q_bwd=None, block_kv_bwd=None):
+    """Same contract as `lctx.kernels.reference_attention` (out `[B, T, N, V]`, and
+    lse `[B, N, T]` f32 when return_lse; differentiable through both). Blocks are
+    rounded down to the kernel's granules (q: 8 rows, kv: 64 keys)."""
+    b, t, s, _, _, h, _ = check_shapes(q, k, v)
+    why = unsupported(q, k, v)
+    if why:
+        raise ValueError(f"backend='cpu': {why}")
+    ok, reason = _load()
+    if not ok:
+        raise RuntimeError(f"backend='cpu': the fused CPU kernel is unavailable: {reason}")
+    mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)
+    tp, sp = -(-t // _Q_MULT) * _Q_MULT, -(-s // _KV_MULT) * _KV_MULT
+    q_seg = mask.q_segment_ids if mask.q_segment_ids is not None else jnp.ones((b, t), jnp.int32)
+    kv_seg = (mask.kv_segment_ids if mask.kv_segment_ids is not None
+              else jnp.ones((b, s), jnp.int32))
+    mask_arrays = (_pad(mask.q_positions, tp), _pad(q_seg, tp), _pad(mask.kv_positions, sp),
+                   _pad(kv_seg, sp))
+    cfg = _Cfg(bool(causal), 0 if window_size is None else int(window_size),
+               default_scale(h, softmax_scale),
+               _round_block(block_q, _Q_MULT, tp), _round_block(block_kv, _KV_MULT, sp),
+               _round_block(block_q_bwd or block_q, _Q_MULT, tp),
+               _round_block(block_kv_bwd or block_kv, _KV_MULT, sp))
+    out, lse = _fused(_pad(q, tp), _pad(k, sp), _pad(v, sp), mask_arrays, cfg)
+    out, lse = out[:, :t], lse[:, :, :t]
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["available", "cpu_fused_attention", "unavailable_reason", "unsupported"]

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,15 +45,22 @@ inline v16 ld(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void st(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 bc(float x) { return v16{} + x; }
 
+// Horizontal max / sum as a tree of lane shuffles (a lane-by-lane loop is a
+// 16-long dependency chain, paid once per row and block).
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 inline float hmax(v16 x) {
-  float m = x[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
-  return m;
+  x = vmax(x, __builtin_shuffle(x, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  x = vmax(x, __builtin_shuffle(x, i16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  x = vmax(x, __builtin_shuffle(x, i16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  x = vmax(x, __builtin_shuffle(x, i16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return x[0];
 }
 inline float hsum(v16 x) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += x[i];
-  return s;
+  x += __builtin_shuffle(x, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  x += __builtin_shuffle(x, i16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  x += __builtin_shuffle(x, i16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  x += __builtin_shuffle(x, i16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return x[0];
 }
 
 // exp for softmax arguments (x <= ~88): Cephes' expf polynomial after range
@@ -182,6 +190,15 @@ void gemm_tn(const float* p, int64_t ldp, int64_t rows, int64_t cols, const floa
   if (w < width) gemm_tn_chunk<1>(p, ldp, rows, cols, b + w, ldb, d + w, ldd);
 }
 
+// Scratch without std::vector's zero fill (every buffer below is written before
+// it is read, or cleared explicitly).
+struct Scratch {
+  explicit Scratch(int64_t n) : p(new float[n]) {}
+  float* data() { return p.get(); }
+  float& operator[](int64_t i) { return p[i]; }
+  std::unique_ptr<float[]> p;
+};
+
 struct Dims {
   int64_t b, t, s, n, k, h, v;
 };
@@ -243,37 +260,65 @@ std::vector<int8_t> block_classes(const Mask& m, const Dims& d, int64_t bi, int6
   return cls;
 }
 
-// Sets hidden entries of a [rows, cols] tile (stride ld) to -inf.
+typedef int32_t i16u __attribute__((vector_size(64), aligned(4)));
+inline i16 ldi(const int32_t* p) { return *reinterpret_cast<const i16u*>(p); }
+
+// Sets hidden entries of a [rows, cols] tile (stride ldt) to -inf; cols % 16 == 0.
+// Window bounds are clamped to int32 (positions are int32, so nothing is lost).
 void mask_tile(const Mask& m, const Dims& d, int64_t bi, int64_t r0, int64_t rows, int64_t j0,
-               int64_t cols, float* tile, int64_t ld) {
+               int64_t cols, float* tile, int64_t ldt) {
   const int32_t* qp = m.q_pos + bi * d.t + r0;
   const int32_t* qs = m.q_seg + bi * d.t + r0;
   const int32_t* kp = m.kv_pos + bi * d.s + j0;
   const int32_t* ks = m.kv_seg + bi * d.s + j0;
-  const float ninf = -INFINITY;
+  const v16 ninf = bc(-INFINITY);
+  auto clamp32 = [](int64_t x) {
+    return static_cast<int32_t>(std::clamp<int64_t>(x, INT32_MIN, INT32_MAX));
+  };
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t p = qp[r];
-    const int32_t sg = qs[r];
-    float* row = tile + r * ld;
-    for (int64_t j = 0; j < cols; ++j) {
-      const int64_t kpj = kp[j];
-      bool vis = sg != 0 && ks[j] == sg;
-      if (m.causal) vis = vis && kpj <= p;
-      if (m.window > 0) {
-        vis = vis && kpj > p - m.window;
-        if (!m.causal) vis = vis && kpj < p + m.window;
-      }
-      if (!vis) row[j] = ninf;
+    const int32_t p = qp[r], sg = qs[r];
+    float* row = tile + r * ldt;
+    if (sg == 0) {  // padding query: sees nothing
+      for (int64_t j = 0; j < cols; j += 16) st(row + j, ninf);
+      continue;
+    }
+    // Visible keys: kp in (lo, hi] where lo = p - w (or none) and hi = p (causal) or
+    // p + w - 1 (non-causal window) or none.
+    const int32_t lo = m.window > 0 ? clamp32(int64_t{p} - m.window) : INT32_MIN;
+    const int32_t hi = m.causal ? p : (m.window > 0 ? clamp32(int64_t{p} + m.window - 1)
+                                                     : INT32_MAX);
+    const bool has_lo = m.window > 0;
+    for (int64_t j = 0; j < cols; j += 16) {
+      const i16 k = ldi(kp + j);
+      i16 vis = (ldi(ks + j) == sg) & (k <= hi);
+      if (has_lo) vis &= k > lo;
+      const v16 x = ld(row + j);
+      st(row + j, vis ? x : ninf);
     }
   }
 }
 
-// Packing. Rows of q/k/v sit N*H (or K*H) floats apart in the caller's layout;
-// read in place, the matmul loops would touch one cache set over and over (the
-// strides are powers of two). So each operand is first copied contiguous.
+// Packing. In the caller's layout the rows of one head sit N*H (or K*H) floats
+// apart; read in place, the matmul loops would touch one cache set over and over
+// (the strides are powers of two). So operands are first copied contiguous, one
+// head at a time, so that one kv head's K and V stay in L2 while its q heads run.
 
-// [len, width] rows at `stride` -> block-major transposed [nblk][width][blk]:
-// one kv block of B^T for gemm_abt, rows blk floats apart.
+// [len][w] rows at `stride` -> contiguous [len][w], times scale. w % 16 == 0.
+void pack_rows(const float* src, int64_t stride, int64_t len, int64_t w, float* dst,
+               float scale = 1.f) {
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t x = 0; x < w; x += 16) st(dst + j * w + x, ld(src + j * stride + x) * scale);
+}
+
+// The inverse: contiguous [len][w] -> rows at `stride`, times scale.
+void unpack_rows(const float* src, int64_t len, int64_t w, float* dst, int64_t stride,
+                 float scale = 1.f) {
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t x = 0; x < w; x += 16) st(dst + j * stride + x, ld(src + j * w + x) * scale);
+}
+
+// [len][width] rows at `stride` -> block-major transposed [nblk][width][blk]: one
+// kv block of B^T for gemm_abt, rows blk floats apart.
 void pack_transposed_blocks(const float* src, int64_t stride, int64_t len, int64_t width,
                             int64_t blk, float* dst) {
   for (int64_t j0 = 0; j0 < len; j0 += blk) {
@@ -287,26 +332,18 @@ void pack_transposed_blocks(const float* src, int64_t stride, int64_t len, int64
   }
 }
 
-// [len, width] rows at `stride` -> contiguous [len, width].
-// width % 16 == 0 (a memcpy call per 32-float row costs more than the copy).
-__attribute__((optimize("no-tree-loop-distribute-patterns")))
-void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t len,
-               int64_t width, float scale = 1.f) {
-  for (int64_t j = 0; j < len; ++j)
-    for (int64_t x = 0; x < width; x += 16)
-      st(dst + j * dst_stride + x, ld(src + j * src_stride + x) * scale);
-}
-
-void pack_rows(const float* src, int64_t stride, int64_t len, int64_t width, float* dst,
-               float scale = 1.f) {
-  copy_rows(src, stride, dst, width, len, width, scale);
-}
-
 void forward(const float* q, const float* k, const float* v, const Mask& m, const Dims& d,
              float scale, int64_t block_q, int64_t block_kv, float* out, float* lse) {
   const int64_t g = d.n / d.k, nk = (d.s + block_kv - 1) / block_kv;
-  std::vector<float> kt(d.h * nk * block_kv), vc(d.s * d.v), qc(block_q * d.h);
-  std::vector<float> tile(block_q * block_kv), acc(block_q * d.v), mx(block_q), sm(block_q);
+  // Per kv head: K^T in kv blocks and V rows; per q head: q rows (pre-scaled, so
+  // tiles hold scaled scores).
+  Scratch kt(d.h * nk * block_kv);
+  Scratch vc(d.s * d.v);
+  Scratch qc(d.t * d.h);
+  Scratch acc(block_q * d.v);
+  Scratch tile(block_q * block_kv);
+  Scratch mx(block_q);
+  Scratch sm(block_q);
   for (int64_t bi = 0; bi < d.b; ++bi) {
     const auto cls = block_classes(m, d, bi, block_q, block_kv);
     for (int64_t kh = 0; kh < d.k; ++kh) {
@@ -314,37 +351,46 @@ void forward(const float* q, const float* k, const float* v, const Mask& m, cons
                              kt.data());
       pack_rows(v + (bi * d.s * d.k + kh) * d.v, d.k * d.v, d.s, d.v, vc.data());
       for (int64_t n = kh * g; n < (kh + 1) * g; ++n) {
+        pack_rows(q + (bi * d.t * d.n + n) * d.h, d.n * d.h, d.t, d.h, qc.data(), scale);
         for (int64_t r0 = 0, iq = 0; r0 < d.t; r0 += block_q, ++iq) {
           const int64_t bq = std::min(block_q, d.t - r0);
-          // q is packed pre-scaled, so the tile holds scaled scores.
-          pack_rows(q + ((bi * d.t + r0) * d.n + n) * d.h, d.n * d.h, bq, d.h, qc.data(), scale);
-          std::fill(acc.begin(), acc.begin() + bq * d.v, 0.f);
-          std::fill(mx.begin(), mx.begin() + bq, kMaskedLse);
-          std::fill(sm.begin(), sm.begin() + bq, 0.f);
+          const float* qb = qc.data() + r0 * d.h;
+          std::fill(acc.data(), acc.data() + bq * d.v, 0.f);
+          std::fill(mx.data(), mx.data() + bq, kMaskedLse);
+          std::fill(sm.data(), sm.data() + bq, 0.f);
           for (int64_t j0 = 0, jk = 0; j0 < d.s; j0 += block_kv, ++jk) {
             const int c = cls[iq * nk + jk];
             if (c == 0) continue;
             const int64_t bk = std::min(block_kv, d.s - j0);
-            gemm_abt(qc.data(), d.h, kt.data() + j0 * d.h, block_kv, d.h, tile.data(), block_kv,
-                     bq, bk);
+            gemm_abt(qb, d.h, kt.data() + j0 * d.h, block_kv, d.h, tile.data(), block_kv, bq, bk);
             if (c == 1) mask_tile(m, d, bi, r0, bq, j0, bk, tile.data(), block_kv);
             for (int64_t r = 0; r < bq; ++r) {
               float* row = tile.data() + r * block_kv;
-              v16 vm = bc(-INFINITY);
-              for (int64_t j = 0; j < bk; j += 16) {
-                const v16 x = ld(row + j);
-                vm = x > vm ? x : vm;
+              // bk % 64 == 0: four independent chains hide the max/add latency.
+              v16 m0 = bc(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+              for (int64_t j = 0; j < bk; j += 64) {
+                m0 = vmax(m0, ld(row + j));
+                m1 = vmax(m1, ld(row + j + 16));
+                m2 = vmax(m2, ld(row + j + 32));
+                m3 = vmax(m3, ld(row + j + 48));
               }
-              const float m_new = std::max(mx[r], hmax(vm));
+              const float m_new = std::max(mx[r], hmax(vmax(vmax(m0, m1), vmax(m2, m3))));
               const float corr = std::exp(mx[r] - m_new);
-              v16 vs = {};
+              v16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
               const v16 mn = bc(m_new);
-              for (int64_t j = 0; j < bk; j += 16) {
-                const v16 p = vexp(ld(row + j) - mn);
-                st(row + j, p);
-                vs += p;
+              for (int64_t j = 0; j < bk; j += 64) {
+                const v16 p0 = vexp(ld(row + j) - mn), p1 = vexp(ld(row + j + 16) - mn);
+                const v16 p2 = vexp(ld(row + j + 32) - mn), p3 = vexp(ld(row + j + 48) - mn);
+                st(row + j, p0);
+                st(row + j + 16, p1);
+                st(row + j + 32, p2);
+                st(row + j + 48, p3);
+                s0 += p0;
+                s1 += p1;
+                s2 += p2;
+                s3 += p3;
               }
-              sm[r] = sm[r] * corr + hsum(vs);
+              sm[r] = sm[r] * corr + hsum((s0 + s1) + (s2 + s3));
               mx[r] = m_new;
               if (corr != 1.f) {
                 float* ar = acc.data() + r * d.v;
@@ -372,11 +418,18 @@ void backward(const float* q, const float* k, const float* v, const float* dout,
               const float* lse, const float* delta, const Mask& m, const Dims& d, float scale,
               int64_t block_q, int64_t block_kv, float* dq, float* dk, float* dv) {
   const int64_t g = d.n / d.k, nk = (d.s + block_kv - 1) / block_kv;
-  // Per kv head: K^T and V^T in kv blocks, K rows, and its group's q, dout, dq rows.
-  std::vector<float> kt(d.h * nk * block_kv), vt(d.v * nk * block_kv), kc(d.s * d.h);
-  std::vector<float> qc(g * d.t * d.h), dc(g * d.t * d.v), dqc(g * d.t * d.h);
-  std::vector<float> pt(block_q * block_kv), dst(block_q * block_kv);
-  std::vector<float> dkt(block_kv * d.h), dvt(block_kv * d.v);
+  // Per kv head: K^T and V^T in kv blocks, K rows, and its group's q (pre-scaled:
+  // scores come out scaled and dK = dS^T (scale q) directly), dout and dq rows.
+  Scratch kt(d.h * nk * block_kv);
+  Scratch vt(d.v * nk * block_kv);
+  Scratch kc(d.s * d.h);
+  Scratch qc(g * d.t * d.h);
+  Scratch dc(g * d.t * d.v);
+  Scratch dqc(g * d.t * d.h);
+  Scratch dkt(block_kv * d.h);
+  Scratch dvt(block_kv * d.v);
+  Scratch pt(block_q * block_kv);
+  Scratch dst(block_q * block_kv);
   for (int64_t bi = 0; bi < d.b; ++bi) {
     const auto cls = block_classes(m, d, bi, block_q, block_kv);
     for (int64_t kh = 0; kh < d.k; ++kh) {
@@ -387,17 +440,16 @@ void backward(const float* q, const float* k, const float* v, const float* dout,
       pack_rows(kb, d.k * d.h, d.s, d.h, kc.data());
       for (int64_t gi = 0; gi < g; ++gi) {
         const int64_t n = kh * g + gi;
-        // Pre-scaled q: scores come out scaled, and dK = dS^T (scale q) directly.
         pack_rows(q + (bi * d.t * d.n + n) * d.h, d.n * d.h, d.t, d.h, qc.data() + gi * d.t * d.h,
                   scale);
         pack_rows(dout + (bi * d.t * d.n + n) * d.v, d.n * d.v, d.t, d.v,
                   dc.data() + gi * d.t * d.v);
       }
-      std::fill(dqc.begin(), dqc.end(), 0.f);
+      std::fill(dqc.data(), dqc.data() + g * d.t * d.h, 0.f);
       for (int64_t j0 = 0, jk = 0; j0 < d.s; j0 += block_kv, ++jk) {
         const int64_t bk = std::min(block_kv, d.s - j0);
-        std::fill(dkt.begin(), dkt.end(), 0.f);
-        std::fill(dvt.begin(), dvt.end(), 0.f);
+        std::fill(dkt.data(), dkt.data() + bk * d.h, 0.f);
+        std::fill(dvt.data(), dvt.data() + bk * d.v, 0.f);
         for (int64_t gi = 0; gi < g; ++gi) {
           const int64_t n = kh * g + gi;
           for (int64_t r0 = 0, iq = 0; r0 < d.t; r0 += block_q, ++iq) {
@@ -427,14 +479,12 @@ void backward(const float* q, const float* k, const float* v, const float* dout,
             gemm_tn(dst.data(), block_kv, bq, bk, qb, d.h, dkt.data(), d.h, d.h);
           }
         }
-        copy_rows(dkt.data(), d.h, dk + ((bi * d.s + j0) * d.k + kh) * d.h, d.k * d.h, bk, d.h);
-        copy_rows(dvt.data(), d.v, dv + ((bi * d.s + j0) * d.k + kh) * d.v, d.k * d.v, bk, d.v);
+        unpack_rows(dkt.data(), bk, d.h, dk + ((bi * d.s + j0) * d.k + kh) * d.h, d.k * d.h);
+        unpack_rows(dvt.data(), bk, d.v, dv + ((bi * d.s + j0) * d.k + kh) * d.v, d.k * d.v);
       }
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const int64_t n = kh * g + gi;
-        copy_rows(dqc.data() + gi * d.t * d.h, d.h, dq + (bi * d.t * d.n + n) * d.h, d.n * d.h,
-                  d.t, d.h, scale);  // dQ = scale dS K
-      }
+      for (int64_t gi = 0; gi < g; ++gi)  // dQ = scale dS K
+        unpack_rows(dqc.data() + gi * d.t * d.h, d.t, d.h,
+                    dq + (bi * d.t * d.n + kh * g + gi) * d.h, d.n * d.h, scale);
     }
   }
 }

@@ -78,6 +78,9 @@ def main(_):
       "machine": f"{platform.node()} {os.cpu_count()} cpus "
                  f"{jax.devices()[0].device_kind} x{jax.device_count()}",
       "strategy": trainer.strategy, "load_balance": trainer.load_balance,
+      "attention_backend": exp.train.attention_backend,
+      # What the compiled step really calls (auto may fall back to blockwise).
+      "fused_cpu_attention": "lctx_cpu_attention_fwd" in compiled.as_text(),
       "tokens_per_step": b * t, "compile_s": compile_s,
       "step_s_median": step_s, "step_s_all": times,
       "tokens_per_sec": b * t / step_s,

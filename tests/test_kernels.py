@@ -220,6 +220,9 @@ def test_cpu_kernel_rejects_what_it_cannot_run():
     q, k, v = _qkv(1, 32, 32, 2, 2, 24, 8, jnp.float32)
     with pytest.raises(ValueError, match="multiples of 16"):
         flash_attention(q, k, v, backend="cpu")
+    q, k, v = _qkv(1, 32, 32, 2, 2, 16, 16, jnp.float32)
+    with pytest.raises(ValueError, match="block sizes must be >= 1"):
+        flash_attention(q, k, v, backend="cpu", block_kv_bwd=0)
 
 
 def test_cpu_kernel_unavailable_falls_back_or_says_why(tmp_path):

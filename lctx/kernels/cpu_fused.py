@@ -207,6 +207,11 @@ def cpu_fused_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_posit
     ok, reason = _load()
     if not ok:
         raise RuntimeError(f"backend='cpu': the fused CPU kernel is unavailable: {reason}")
+    blocks = dict(block_q=block_q, block_kv=block_kv, block_q_bwd=block_q_bwd,
+                  block_kv_bwd=block_kv_bwd)
+    bad = {k_: b_ for k_, b_ in blocks.items() if b_ is not None and int(b_) < 1}
+    if bad:
+        raise ValueError(f"backend='cpu': block sizes must be >= 1; got {bad}")
     mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)
     tp, sp = -(-t // _Q_MULT) * _Q_MULT, -(-s // _KV_MULT) * _KV_MULT
     q_seg = mask.q_segment_ids if mask.q_segment_ids is not None else jnp.ones((b, t), jnp.int32)

@@ -23,7 +23,9 @@ MESHES = {
     "usp4x2": ((4, 2), ("context", "context_ulysses")),
 }
 # (q heads N, kv heads K, head dim H, value dim V)
-HEADS = {"mha": (8, 8, 8, 8), "gqa": (8, 4, 8, 8), "mqa": (8, 1, 8, 8), "mla": (4, 4, 12, 8)}
+HEADS = {"mha": (8, 8, 8, 8), "gqa": (8, 4, 8, 8), "mqa": (8, 1, 8, 8), "mla": (4, 4, 12, 8),
+         # head dims the fused CPU kernel takes (multiples of 16)
+         "mha16": (8, 8, 16, 16), "gqa16": (8, 4, 16, 16), "mla16": (4, 4, 32, 16)}
 
 
 def _mesh(name, axis_type=AUTO):
@@ -96,6 +98,31 @@ DEFAULT_CASES = [
 @pytest.mark.parametrize("strategy,mesh_name,heads,causal,lb", DEFAULT_CASES)
 def test_strategy_matches_reference(strategy, mesh_name, heads, causal, lb):
     _run_case(strategy, mesh_name, heads, causal, lb)
+
+
+@pytest.mark.parametrize("strategy,mesh_name,heads,causal,lb", [
+    ("all_gather", "c8", "gqa16", True, True),
+    ("ulysses", "c8", "mha16", True, False),
+    ("ring", "c8", "gqa16", True, True),
+    ("ring", "d2c4", "mla16", False, False),
+    ("usp", "usp2x4", "gqa16", True, True),
+])
+def test_strategy_on_fused_cpu_kernel(strategy, mesh_name, heads, causal, lb):
+    """float32 with head dims of 16/32: "auto" runs the fused C++ kernel inside the
+    strategies (ring: its per-hop block forward/backward too)."""
+    from lctx.kernels import cpu_fused
+    if cpu_fused._compiler() is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert cpu_fused.available(), cpu_fused.unavailable_reason()
+    mesh = _mesh(mesh_name)
+    q, k, v, _ = _inputs(heads, t=64)
+    seg, pos = packed_batch(q.shape[0], q.shape[1], True)
+    fn = lambda q, k, v: context_attention(  # noqa: E731
+        q, k, v, mesh=mesh, strategy=strategy, positions=pos, load_balance=lb,
+        segment_ids=seg, causal=causal)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), (0, 1, 2)))(q, k, v))
+    assert "lctx_cpu_attention_fwd" in jaxpr and "lctx_cpu_attention_bwd" in jaxpr
+    _run_case(strategy, mesh_name, heads, causal, lb, t=64)
 
 
 def test_ring_sliding_window_and_explicit_mesh():

@@ -139,12 +139,12 @@ def _round_block(block: int, mult: int, length: int) -> int:
     return max(mult, min(block, length) // mult * mult)
 
 
-def _pad(x, length, value=0):
-    pad = length - x.shape[1]
+def _pad(x, length, value=0, axis=1):
+    pad = length - x.shape[axis]
     if pad == 0:
         return x
     widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
+    widths[axis] = (0, pad)
     return jnp.pad(x, widths, constant_values=value)
 
 
@@ -166,6 +166,17 @@ def _fwd_call(q, k, v, mask_arrays, cfg: _Cfg):
     return tuple(_varying_like(x, q, k, v, *mask_arrays) for x in (out, lse))
 
 
+def _bwd_call(q, k, v, dout, lse, delta, mask_arrays, cfg: _Cfg):
+    """(dq, dk, dv) f32 given lse and delta = rowsum(dout * out) - dlse, `[B, N, T]`."""
+    call = jax.ffi.ffi_call(
+        _BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+               jax.ShapeDtypeStruct(k.shape, jnp.float32),
+               jax.ShapeDtypeStruct(v.shape, jnp.float32)), vmap_method="sequential")
+    dq, dk, dv = call(q, k, v, dout, lse, delta, *mask_arrays, **_attrs(cfg, True))
+    return tuple(_varying_like(x, q, k, v, dout, lse, delta, *mask_arrays)
+                 for x in (dq, dk, dv))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fused(q, k, v, mask_arrays, cfg: _Cfg):
     return _fwd_call(q, k, v, mask_arrays, cfg)
@@ -180,11 +191,7 @@ def _fused_bwd(cfg, res, cts):
     q, k, v, out, lse, mask_arrays = res
     dout, dlse = cts
     delta = jnp.sum(dout * out, axis=-1).transpose(0, 2, 1) - dlse  # [B, N, T]
-    call = jax.ffi.ffi_call(
-        _BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-               jax.ShapeDtypeStruct(k.shape, jnp.float32),
-               jax.ShapeDtypeStruct(v.shape, jnp.float32)), vmap_method="sequential")
-    dq, dk, dv = call(q, k, v, dout, lse, delta, *mask_arrays, **_attrs(cfg, True))
+    dq, dk, dv = _bwd_call(q, k, v, dout, lse, delta, mask_arrays, cfg)
     every = (q, k, v, dout, *mask_arrays)
     dq, dk, dv = (cotangent_like(ct, p, *every) for ct, p in zip((dq, dk, dv), (q, k, v)))
     zeros = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), mask_arrays)
@@ -194,12 +201,10 @@ def _fused_bwd(cfg, res, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def cpu_fused_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=None,
-                        causal=True, window_size=None, softmax_scale=None, return_lse=False,
-                        block_q=64, block_kv=256, block_q_bwd=None, block_kv_bwd=None):
-    """Same contract as `lctx.kernels.reference_attention` (out `[B, T, N, V]`, and
-    lse `[B, N, T]` f32 when return_lse; differentiable through both). Blocks are
-    rounded down to the kernel's granules (q: 8 rows, kv: 64 keys)."""
+def _setup(q, k, v, segment_ids, q_positions, kv_positions, causal, window_size,
+           softmax_scale, block_q, block_kv, block_q_bwd=None, block_kv_bwd=None):
+    """Validates and pads to the kernel's granules (q: 8 rows, kv: 64 keys; padding
+    gets segment 0, so it is invisible). Returns (q, k, v, mask_arrays, cfg) padded."""
     b, t, s, _, _, h, _ = check_shapes(q, k, v)
     why = unsupported(q, k, v)
     if why:
@@ -224,9 +229,52 @@ def cpu_fused_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_posit
                _round_block(block_q, _Q_MULT, tp), _round_block(block_kv, _KV_MULT, sp),
                _round_block(block_q_bwd or block_q, _Q_MULT, tp),
                _round_block(block_kv_bwd or block_kv, _KV_MULT, sp))
-    out, lse = _fused(_pad(q, tp), _pad(k, sp), _pad(v, sp), mask_arrays, cfg)
+    return _pad(q, tp), _pad(k, sp), _pad(v, sp), mask_arrays, cfg
+
+
+def cpu_fused_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=None,
+                        causal=True, window_size=None, softmax_scale=None, return_lse=False,
+                        block_q=64, block_kv=256, block_q_bwd=None, block_kv_bwd=None):
+    """Same contract as `lctx.kernels.reference_attention` (out `[B, T, N, V]`, and
+    lse `[B, N, T]` f32 when return_lse; differentiable through both). Blocks are
+    rounded down to the kernel's granules (q: 8 rows, kv: 64 keys)."""
+    t = q.shape[1]
+    qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, segment_ids, q_positions, kv_positions,
+                                          causal, window_size, softmax_scale, block_q,
+                                          block_kv, block_q_bwd, block_kv_bwd)
+    out, lse = _fused(qp, kp, vp, mask_arrays, cfg)
     out, lse = out[:, :t], lse[:, :, :t]
     return (out, lse) if return_lse else out
 
 
-__all__ = ["available", "cpu_fused_attention", "unavailable_reason", "unsupported"]
+def cpu_block_forward(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                      causal, window_size, softmax_scale, block_q, block_kv):
+    """`lctx.kernels.attention_block_forward` on the fused kernel (same contract: out
+    f32 normalised within this K/V block, lse f32; not differentiable by itself)."""
+    t = q.shape[1]
+    seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, seg, q_positions, kv_positions, causal,
+                                          window_size, softmax_scale, block_q, block_kv)
+    out, lse = _fwd_call(qp, kp, vp, mask_arrays, cfg)
+    return out[:, :t], lse[:, :, :t]
+
+
+def cpu_block_backward(q, k, v, out, lse, dout, *, q_segment_ids, kv_segment_ids,
+                       q_positions, kv_positions, causal, window_size, softmax_scale,
+                       block_q, block_kv):
+    """`lctx.kernels.attention_block_backward` on the fused kernel: FA2 gradients of
+    one K/V block against the GLOBAL out/lse; (dq, dk, dv) f32."""
+    t, s = q.shape[1], k.shape[1]
+    seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, seg, q_positions, kv_positions, causal,
+                                          window_size, softmax_scale, block_q, block_kv)
+    tp = qp.shape[1]
+    dout = dout.astype(jnp.float32)
+    delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # [B, N, T]
+    dq, dk, dv = _bwd_call(qp, kp, vp, _pad(dout, tp), _pad(lse.astype(jnp.float32), tp, axis=2),
+                           _pad(delta, tp, axis=2), mask_arrays, cfg)
+    return dq[:, :t], dk[:, :s], dv[:, :s]
+
+
+__all__ = ["available", "cpu_block_backward", "cpu_block_forward", "cpu_fused_attention",
+           "unavailable_reason", "unsupported"]

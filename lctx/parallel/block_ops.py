@@ -4,7 +4,9 @@
   and ulysses use it.
 - `block_forward` / `block_backward`: one (q block, kv block) step of the ring,
   returning (normalised out, lse) and FA2 gradients against a given global out/lse
-  (`lctx.kernels.attention_block_forward` / `attention_block_backward`).
+  (`lctx.kernels.attention_block_forward` / `attention_block_backward`, or the fused
+  CPU kernel's `cpu_block_forward` / `cpu_block_backward` where flash_attention
+  would pick it: backend "cpu", or "auto" on CPU for float32).
 - `maybe_visible`: conservative run-time test that a block pair has any visible
   (query, key) pair, used to skip fully masked ring steps.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -75,9 +78,20 @@ def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
         block_q_bwd=cfg.block_q_bwd, block_kv_bwd=cfg.block_kv_bwd)
 
 
+def _fused_cpu(q, k, v, cfg: AttnConfig) -> bool:
+    """Whether ring block steps run on the fused CPU kernel (the rule of
+    flash_attention's backend choice; other backends keep the blockwise kernel)."""
+    if cfg.backend == "cpu":
+        return True
+    return (cfg.backend == "auto" and jax.default_backend() == "cpu"
+            and not kernels.cpu_fused.unsupported(q, k, v) and kernels.cpu_fused.available())
+
+
 def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
     """One block step: (out `[B, T, N, V]` f32 normalised within the block, lse `[B, N, T]`)."""
-    out, lse = kernels.attention_block_forward(
+    fn = (kernels.cpu_fused.cpu_block_forward if _fused_cpu(q, k, v, cfg)
+          else kernels.attention_block_forward)
+    out, lse = fn(
         q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
         kv_positions=kv_pos, causal=cfg.causal, window_size=cfg.window_size,
         softmax_scale=cfg.softmax_scale, block_q=cfg.block_q, block_kv=cfg.block_kv)
@@ -87,7 +101,9 @@ def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
 def block_backward(q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos,
                    cfg: AttnConfig):
     """FA2 backward of one block against the GLOBAL out/lse; (dq, dk, dv) in float32."""
-    dq, dk, dv = kernels.attention_block_backward(
+    fn = (kernels.cpu_fused.cpu_block_backward if _fused_cpu(q, k, v, cfg)
+          else kernels.attention_block_backward)
+    dq, dk, dv = fn(
         q, k, v, out, lse, dout, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
         q_positions=q_pos, kv_positions=kv_pos, causal=cfg.causal,
         window_size=cfg.window_size, softmax_scale=cfg.softmax_scale,

@@ -12,7 +12,8 @@
 //
 // The forward is FlashAttention's online softmax (out, lse). The backward is
 // FlashAttention-2's: probabilities recomputed from the saved lse, dK/dV
-// accumulated per kv block, dQ accumulated in the f32 output.
+// accumulated per kv block, dQ per q head over all kv blocks. Operands are first
+// copied contiguous one head at a time (see "Packing" below).
 //
 // Layout contract with the Python side (lctx/kernels/cpu_fused.py): T is a
 // multiple of 8 and S of 64 (the caller pads, marking padding with segment 0);

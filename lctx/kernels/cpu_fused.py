@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lctx.kernels.blockwise import _pad_len
 from lctx.kernels.flash import _varying_like, cotangent_like
 from lctx.kernels.masking import check_shapes, default_scale, normalize_mask_args
 
@@ -139,15 +140,6 @@ def _round_block(block: int, mult: int, length: int) -> int:
     return max(mult, min(block, length) // mult * mult)
 
 
-def _pad(x, length, value=0, axis=1):
-    pad = length - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def _attrs(cfg: _Cfg, backward: bool):
     return dict(causal=np.int64(cfg.causal), window=np.int64(cfg.window),
                 scale=np.float32(cfg.scale),
@@ -222,14 +214,14 @@ def _setup(q, k, v, segment_ids, q_positions, kv_positions, causal, window_size,
     q_seg = mask.q_segment_ids if mask.q_segment_ids is not None else jnp.ones((b, t), jnp.int32)
     kv_seg = (mask.kv_segment_ids if mask.kv_segment_ids is not None
               else jnp.ones((b, s), jnp.int32))
-    mask_arrays = (_pad(mask.q_positions, tp), _pad(q_seg, tp), _pad(mask.kv_positions, sp),
-                   _pad(kv_seg, sp))
+    mask_arrays = (_pad_len(mask.q_positions, tp, 1), _pad_len(q_seg, tp, 1),
+                   _pad_len(mask.kv_positions, sp, 1), _pad_len(kv_seg, sp, 1))
     cfg = _Cfg(bool(causal), 0 if window_size is None else int(window_size),
                default_scale(h, softmax_scale),
                _round_block(block_q, _Q_MULT, tp), _round_block(block_kv, _KV_MULT, sp),
                _round_block(block_q_bwd or block_q, _Q_MULT, tp),
                _round_block(block_kv_bwd or block_kv, _KV_MULT, sp))
-    return _pad(q, tp), _pad(k, sp), _pad(v, sp), mask_arrays, cfg
+    return _pad_len(q, tp, 1), _pad_len(k, sp, 1), _pad_len(v, sp, 1), mask_arrays, cfg
 
 
 def cpu_fused_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=None,
@@ -271,8 +263,9 @@ def cpu_block_backward(q, k, v, out, lse, dout, *, q_segment_ids, kv_segment_ids
     tp = qp.shape[1]
     dout = dout.astype(jnp.float32)
     delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # [B, N, T]
-    dq, dk, dv = _bwd_call(qp, kp, vp, _pad(dout, tp), _pad(lse.astype(jnp.float32), tp, axis=2),
-                           _pad(delta, tp, axis=2), mask_arrays, cfg)
+    lse = _pad_len(lse.astype(jnp.float32), tp, 2)
+    dq, dk, dv = _bwd_call(qp, kp, vp, _pad_len(dout, tp, 1), lse, _pad_len(delta, tp, 2),
+                           mask_arrays, cfg)
     return dq[:, :t], dk[:, :s], dv[:, :s]
 
 

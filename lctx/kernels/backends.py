@@ -144,7 +144,7 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
     `[B, S, K, H]`, v `[B, S, K, V]`; segment_ids `[B, T]` or `(q_ids, kv_ids)`,
     0 = padding; causality and window on positions (default arange). Returns out
     `[B, T, N, V]` (and lse `[B, N, T]` f32 if return_lse). Differentiable in
-    q, k, v (and through lse on the blockwise backend).
+    q, k, v (and through lse on the blockwise and cpu backends).
     backend: one of BACKENDS (see module docstring).
     block_q, block_kv: kernel blocks (blockwise, cpu, splash); block_q_bwd,
       block_kv_bwd: the backward pass's (None: the same).
@@ -168,8 +168,7 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
         elif platform == "gpu" and not _cudnn_unsupported(
                 q, k, v, segment_ids, positions_given, window_size, return_lse):
             backend = "cudnn"
-        elif (platform == "cpu" and not cpu_fused.unsupported(q, k, v)
-              and cpu_fused.available()):
+        elif platform == "cpu" and cpu_fused.auto_applies(q, k, v):
             backend = "cpu"
         else:
             backend = "blockwise"
@@ -178,9 +177,6 @@ def flash_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions
                                    block_kv=block_kv, block_q_bwd=block_q_bwd,
                                    block_kv_bwd=block_kv_bwd, **common)
     if backend == "cpu":
-        if jax.default_backend() != "cpu":
-            raise ValueError("backend='cpu' runs on the XLA CPU backend only; "
-                             f"this process computes on {jax.default_backend()!r}")
         return cpu_fused.cpu_fused_attention(q, k, v, return_lse=return_lse, block_q=block_q,
                                              block_kv=block_kv, block_q_bwd=block_q_bwd,
                                              block_kv_bwd=block_kv_bwd, **common)

@@ -115,6 +115,12 @@ def unavailable_reason() -> str:
     return _load()[1]
 
 
+def auto_applies(q, k, v) -> bool:
+    """Whether backend "auto" takes this kernel: the CPU backend, inputs it takes,
+    and the kernel built here."""
+    return jax.default_backend() == "cpu" and not unsupported(q, k, v) and available()
+
+
 def unsupported(q, k, v) -> str:
     """Why these inputs cannot use the kernel ('' if they can)."""
     _, _, _, _, _, h, vd = check_shapes(q, k, v)
@@ -198,6 +204,9 @@ def _setup(q, k, v, segment_ids, q_positions, kv_positions, causal, window_size,
     """Validates and pads to the kernel's granules (q: 8 rows, kv: 64 keys; padding
     gets segment 0, so it is invisible). Returns (q, k, v, mask_arrays, cfg) padded."""
     b, t, s, _, _, h, _ = check_shapes(q, k, v)
+    if jax.default_backend() != "cpu":
+        raise ValueError("backend='cpu' runs on the XLA CPU backend only; this process "
+                         f"computes on {jax.default_backend()!r}")
     why = unsupported(q, k, v)
     if why:
         raise ValueError(f"backend='cpu': {why}")
@@ -269,5 +278,5 @@ def cpu_block_backward(q, k, v, out, lse, dout, *, q_segment_ids, kv_segment_ids
     return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
-__all__ = ["available", "cpu_block_backward", "cpu_block_forward", "cpu_fused_attention",
-           "unavailable_reason", "unsupported"]
+__all__ = ["auto_applies", "available", "cpu_block_backward", "cpu_block_forward",
+           "cpu_fused_attention", "unavailable_reason", "unsupported"]

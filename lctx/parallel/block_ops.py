@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,8 +82,7 @@ def _fused_cpu(q, k, v, cfg: AttnConfig) -> bool:
     flash_attention's backend choice; other backends keep the blockwise kernel)."""
     if cfg.backend == "cpu":
         return True
-    return (cfg.backend == "auto" and jax.default_backend() == "cpu"
-            and not kernels.cpu_fused.unsupported(q, k, v) and kernels.cpu_fused.available())
+    return cfg.backend == "auto" and kernels.cpu_fused.auto_applies(q, k, v)
 
 
 def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):

@@ -1,9 +1,10 @@
 r"""lctx entry point: gin files + absl flags -> lctx.train.run.
 
-  python main.py --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx
-  python main.py --gin_file=gin/usp_ironwood.gin --gin_param="TrainConfig.steps=10"
-  python main.py --mode=inspect_data --gin_file=gin/local_cpu.gin
+python main.py --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx
+python main.py --gin_file=gin/usp_ironwood.gin --gin_param="TrainConfig.steps=10"
+python main.py --mode=inspect_data --gin_file=gin/local_cpu.gin
 """
+
 import os
 import sys
 
@@ -11,17 +12,25 @@ from absl import app, flags, logging
 
 flags.DEFINE_multi_string("gin_file", [], "Gin files to bind (repeatable).")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings (repeatable).")
-flags.DEFINE_multi_string("gin_search_path", [],
-                          "Extra gin include paths (the repo root is always one).")
+flags.DEFINE_multi_string(
+  "gin_search_path", [], "Extra gin include paths (the repo root is always one)."
+)
 flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics).")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "train_and_eval",
-                                    "inspect_data"], "What to run.")
-flags.DEFINE_integer("fake_devices", None,
-                     "CPU only: force this many host devices (default: the "
-                     "gin file's LOCAL_DEVICES macro, else none).")
-flags.DEFINE_bool("jax_distributed", False,
-                  "Multi-host: call jax.distributed.initialize (arguments "
-                  "auto-detected on TPU VMs; else the three flags below).")
+flags.DEFINE_enum(
+  "mode", "train", ["train", "eval", "train_and_eval", "inspect_data"], "What to run."
+)
+flags.DEFINE_integer(
+  "fake_devices",
+  None,
+  "CPU only: force this many host devices (default: the "
+  "gin file's LOCAL_DEVICES macro, else none).",
+)
+flags.DEFINE_bool(
+  "jax_distributed",
+  False,
+  "Multi-host: call jax.distributed.initialize (arguments "
+  "auto-detected on TPU VMs; else the three flags below).",
+)
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "Number of processes.")
 flags.DEFINE_integer("process_id", None, "This process's index.")
@@ -31,17 +40,18 @@ REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def _set_fake_devices(n):
   if n and "jax" not in sys.modules:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}")
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    )
 
 
 class _QuietLibraries:
   """absl filter: INFO chatter of orbax/grain stays out of the run's log."""
+
   _NOISY = ("/orbax/", "/grain/", "/tensorflow_datasets/")
 
   def filter(self, record):
-    return record.levelno >= 30 or not any(
-        n in record.pathname for n in self._NOISY)
+    return record.levelno >= 30 or not any(n in record.pathname for n in self._NOISY)
 
 
 def main(argv):
@@ -50,18 +60,24 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   import gin  # pylint: disable=g-import-not-at-top
   from lctx import gin_utils  # pylint: disable=g-import-not-at-top
-  _set_fake_devices(FLAGS.fake_devices or gin_utils.local_devices_macro(
-      FLAGS.gin_file, [REPO_ROOT, *FLAGS.gin_search_path], FLAGS.gin_param))
+
+  _set_fake_devices(
+    FLAGS.fake_devices
+    or gin_utils.local_devices_macro(
+      FLAGS.gin_file, [REPO_ROOT, *FLAGS.gin_search_path], FLAGS.gin_param
+    )
+  )
   if FLAGS.jax_distributed:
     import jax  # pylint: disable=g-import-not-at-top
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
-                               FLAGS.process_id)
+
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   from lctx import configs, train  # pylint: disable=g-import-not-at-top
-  gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param,
-                  search_paths=[REPO_ROOT, *FLAGS.gin_search_path])
+
+  gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param, search_paths=[REPO_ROOT, *FLAGS.gin_search_path])
   experiment = configs.experiment()
-  workdir = FLAGS.workdir or os.path.join("/tmp/lctx", os.path.splitext(
-      os.path.basename((FLAGS.gin_file or ["run"])[-1]))[0])
+  workdir = FLAGS.workdir or os.path.join(
+    "/tmp/lctx", os.path.splitext(os.path.basename((FLAGS.gin_file or ["run"])[-1]))[0]
+  )
   os.makedirs(workdir, exist_ok=True)
   operative = gin.operative_config_str()
   logging.info("Operative config:\n%s", operative)

@@ -7,10 +7,10 @@ dataclasses and the experiment bindable from gin files, e.g.
     ModelConfig.d_model = 256
     TrainConfig.context_parallel_strategy = 'ring'
 """
+
 from __future__ import annotations
 
 import gin
-
 from lctx import data as data_lib
 from lctx import models
 from lctx import train as train_lib
@@ -25,6 +25,7 @@ TrainConfigG = gin.external_configurable(TrainConfig, "TrainConfig")
 
 def _register_evals():
   from lctx import evals  # pylint: disable=g-import-not-at-top
+
   if hasattr(evals, "EvalConfig"):
     gin.external_configurable(evals.EvalConfig, "EvalConfig")
 
@@ -33,9 +34,14 @@ _register_evals()
 
 
 @gin.configurable("experiment")
-def experiment(model=gin.REQUIRED, data=gin.REQUIRED, train=None, mesh=None,
-               evals=None) -> train_lib.Experiment:
+def experiment(
+  model=gin.REQUIRED, data=gin.REQUIRED, train=None, mesh=None, evals=None
+) -> train_lib.Experiment:
   """The gin-bound Experiment: `experiment.model = @ModelConfig()`, ..."""
   return train_lib.Experiment(
-      model=model, data=data, train=train or TrainConfig(),
-      mesh=mesh or mesh_lib.MeshConfig(), evals=evals)
+    model=model,
+    data=data,
+    train=train or TrainConfig(),
+    mesh=mesh or mesh_lib.MeshConfig(),
+    evals=evals,
+  )

@@ -4,11 +4,12 @@
 text, before jax is imported, because the number of fake CPU devices must be
 in XLA_FLAGS before the first `import jax`.
 """
+
 from __future__ import annotations
 
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 _INCLUDE = re.compile(r"^\s*include\s+['\"]([^'\"]+)['\"]", re.M)
 _LOCAL_DEVICES = re.compile(r"^\s*LOCAL_DEVICES\s*=\s*(\d+)\s*$", re.M)
@@ -22,12 +23,13 @@ def find_gin_file(name: str, search_paths: Sequence[str]) -> str:
     if os.path.exists(candidate):
       return candidate
   raise FileNotFoundError(
-      f"gin file {name!r} not found in the working directory or in "
-      f"{list(search_paths)}.")
+    f"gin file {name!r} not found in the working directory or in {list(search_paths)}."
+  )
 
 
-def local_devices_macro(files: Sequence[str], search_paths: Sequence[str],
-                        params: Sequence[str] = ()) -> int | None:
+def local_devices_macro(
+  files: Sequence[str], search_paths: Sequence[str], params: Sequence[str] = ()
+) -> int | None:
   """The last `LOCAL_DEVICES = N` in `files` (includes first), or None."""
   found = None
   for param in params:
@@ -52,12 +54,11 @@ def local_devices_macro(files: Sequence[str], search_paths: Sequence[str],
   return from_params if from_params is not None else found
 
 
-def parse(files: Sequence[str], params: Sequence[str],
-          search_paths: Sequence[str]) -> None:
+def parse(files: Sequence[str], params: Sequence[str], search_paths: Sequence[str]) -> None:
   """Parses gin files and bindings; unknown configurables are errors."""
   import gin  # pylint: disable=g-import-not-at-top
+
   for root in search_paths:
     gin.add_config_file_search_path(root)
   resolved = [find_gin_file(f, search_paths) for f in files]
-  gin.parse_config_files_and_bindings(resolved, params, skip_unknown=False,
-                                      finalize_config=True)
+  gin.parse_config_files_and_bindings(resolved, params, skip_unknown=False, finalize_config=True)

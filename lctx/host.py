@@ -8,6 +8,7 @@ cores) that was ~127,000 minor faults and ~0.24 s of kernel time per 1 s step.
 `keep_freed_memory` makes glibc reuse freed memory instead, the way an
 accelerator runtime keeps a memory pool: the process keeps its peak footprint.
 """
+
 from __future__ import annotations
 
 import ctypes

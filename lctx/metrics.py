@@ -6,12 +6,14 @@ devices. Peak FLOP/s is a table for accelerators and a same-run matmul
 measurement on CPU, so a CPU "MFU" is a fraction of what this machine's own
 matmul reaches.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,20 +21,21 @@ from absl import logging
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
 PEAK_FLOPS_PER_DEVICE = {
-    "tpu v5p": 459e12,
-    "tpu v5": 459e12,
-    "tpu v5 lite": 197e12,   # v5e
-    "tpu v6 lite": 918e12,   # v6e (Trillium)
-    "tpu v6e": 918e12,
-    "tpu7x": 2307e12,        # TPU7 (Ironwood)
-    "tpu7": 2307e12,
-    "nvidia h100": 989e12,
-    "nvidia h200": 989e12,
+  "tpu v5p": 459e12,
+  "tpu v5": 459e12,
+  "tpu v5 lite": 197e12,  # v5e
+  "tpu v6 lite": 918e12,  # v6e (Trillium)
+  "tpu v6e": 918e12,
+  "tpu7x": 2307e12,  # TPU7 (Ironwood)
+  "tpu7": 2307e12,
+  "nvidia h100": 989e12,
+  "nvidia h200": 989e12,
 }
 
 
-def measure_matmul_flops(n: int = 2048, dtype=jnp.float32, repeats: int = 3,
-                         device: jax.Device | None = None) -> float:
+def measure_matmul_flops(
+  n: int = 2048, dtype=jnp.float32, repeats: int = 3, device: jax.Device | None = None
+) -> float:
   """FLOP/s of one n^3 matmul on `device` (best of `repeats`)."""
   device = device or jax.local_devices()[0]
   a = jax.device_put(jnp.ones((n, n), dtype), device)
@@ -54,17 +57,17 @@ def peak_flops_per_device(device: jax.Device | None = None) -> tuple[float, str]
   """
   device = device or jax.local_devices()[0]
   kind = device.device_kind.lower()
-  for name, flops in sorted(PEAK_FLOPS_PER_DEVICE.items(),
-                            key=lambda kv: -len(kv[0])):
+  for name, flops in sorted(PEAK_FLOPS_PER_DEVICE.items(), key=lambda kv: -len(kv[0])):
     if name in kind:
       return flops, f"spec sheet ({device.device_kind})"
   if device.platform == "cpu":
     rate = measure_matmul_flops(device=device)
     share = rate / jax.local_device_count()
-    return share, (f"CPU 2048^3 matmul measured at start-up: {rate / 1e9:.1f} "
-                   f"GFLOP/s shared by {jax.local_device_count()} fake devices")
-  logging.warning("No peak FLOP/s known for %s; MFU is reported as 0.",
-                  device.device_kind)
+    return share, (
+      f"CPU 2048^3 matmul measured at start-up: {rate / 1e9:.1f} "
+      f"GFLOP/s shared by {jax.local_device_count()} fake devices"
+    )
+  logging.warning("No peak FLOP/s known for %s; MFU is reported as 0.", device.device_kind)
   return 0.0, f"unknown device kind {device.device_kind!r}"
 
 
@@ -77,9 +80,13 @@ def compiled_memory(compiled) -> dict[str, int]:
   if m is None:
     return {}
   out = {}
-  for key in ("argument_size_in_bytes", "output_size_in_bytes",
-              "temp_size_in_bytes", "alias_size_in_bytes",
-              "generated_code_size_in_bytes"):
+  for key in (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "temp_size_in_bytes",
+    "alias_size_in_bytes",
+    "generated_code_size_in_bytes",
+  ):
     if hasattr(m, key):
       out[key.replace("_size_in_bytes", "_bytes")] = int(getattr(m, key))
   return out
@@ -107,10 +114,11 @@ class MetricWriter:
     if not self._active:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed in close())
     if enable_tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
         self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
       except ImportError:
         logging.warning("tensorboardX not installed: no TensorBoard events.")

@@ -7,6 +7,7 @@
   train_and_eval  train, then evaluate;
   inspect_data    print packing statistics of the training stream.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,7 @@ MODES = ("train", "eval", "train_and_eval", "inspect_data")
 def _register_task_sources():
   # The retrieval tasks join the data mixture as `retrieval_<task>` sources.
   from lctx.evals import mixture  # pylint: disable=g-import-not-at-top
+
   mixture.register_retrieval_sources()
 
 
@@ -40,6 +42,7 @@ _register_task_sources()
 @dataclasses.dataclass(frozen=True)
 class Experiment:
   """Everything one run needs; bound by gin in lctx/configs.py."""
+
   model: models.ModelConfig
   data: data_lib.DataConfig
   train: TrainConfig = TrainConfig()
@@ -50,29 +53,36 @@ class Experiment:
 # ----------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------
-def make_data_iterator(exp: Experiment, trainer: Trainer | None, split: str,
-                       seed: int):
+def make_data_iterator(exp: Experiment, trainer: Trainer | None, split: str, seed: int):
   """Per-host iterator of the batch contract, reordered when load balancing."""
   transform = None
   if trainer is not None and trainer.load_balance:
     from lctx import parallel  # pylint: disable=g-import-not-at-top
+
     ring = mesh_lib.mesh_shape(trainer.mesh)["context"]
 
     def transform(batch):
-      return {k: parallel.zigzag_reorder(np.asarray(v), ring)
-              for k, v in batch.items()}
+      return {k: parallel.zigzag_reorder(np.asarray(v), ring) for k, v in batch.items()}
+
   per_host = exp.train.batch_size // jax.process_count()
   return data_lib.make_iterator(
-      exp.data, split=split, batch_size=per_host, seq_len=exp.train.seq_len,
-      seed=seed, process_index=jax.process_index(),
-      process_count=jax.process_count(), batch_transform=transform)
+    exp.data,
+    split=split,
+    batch_size=per_host,
+    seq_len=exp.train.seq_len,
+    seed=seed,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+    batch_transform=transform,
+  )
 
 
 def _meta(exp: Experiment) -> dict[str, Any]:
   """What a checkpoint must agree with (model) or is compared with (run)."""
-  return {"model": dataclasses.asdict(exp.model),
-          "run": {"train": dataclasses.asdict(exp.train),
-                  "data": dataclasses.asdict(exp.data)}}
+  return {
+    "model": dataclasses.asdict(exp.model),
+    "run": {"train": dataclasses.asdict(exp.train), "data": dataclasses.asdict(exp.data)},
+  }
 
 
 # ----------------------------------------------------------------------------
@@ -83,32 +93,44 @@ def evaluate_loss(exp: Experiment, trainer: Trainer, state) -> dict[str, float]:
   it = make_data_iterator(exp, trainer, "validation", seed=exp.train.seed + 1)
   total, weight = 0.0, 0.0
   for _ in range(exp.train.eval_batches):
-    aux = jax.device_get(trainer.eval_step(state, trainer.device_batch(
-        next(it))))
+    aux = jax.device_get(trainer.eval_step(state, trainer.device_batch(next(it))))
     total += float(aux["loss"]) * float(aux["tokens"])
     weight += float(aux["tokens"])
   return {"eval/loss": total / max(weight, 1.0), "eval/tokens": weight}
 
 
-def evaluate_retrieval(exp: Experiment, trainer: Trainer, state, workdir: str,
-                       step: int) -> dict[str, float]:
+def evaluate_retrieval(
+  exp: Experiment, trainer: Trainer, state, workdir: str, step: int
+) -> dict[str, float]:
   if exp.evals is None:
     return {}
   from lctx import evals as evals_lib  # pylint: disable=g-import-not-at-top
+
   tokenizer = data_lib.make_tokenizer_for(exp.data)
-  documents = data_lib.load_documents(exp.data, split="validation",
-                                      limit=exp.evals.num_documents)
-  return evals_lib.run_evals(trainer.logits_fn(state), tokenizer,
-                             config=exp.evals, workdir=workdir, step=step,
-                             documents=documents,
-                             attention_windows=exp.model.layer_windows)
+  documents = data_lib.load_documents(exp.data, split="validation", limit=exp.evals.num_documents)
+  return evals_lib.run_evals(
+    trainer.logits_fn(state),
+    tokenizer,
+    config=exp.evals,
+    workdir=workdir,
+    step=step,
+    documents=documents,
+    attention_windows=exp.model.layer_windows,
+  )
 
 
 # ----------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------
-def train_loop(exp: Experiment, trainer: Trainer, state, train_iter,
-               checkpointer: ckpt_lib.Checkpointer, writer, workdir: str):
+def train_loop(
+  exp: Experiment,
+  trainer: Trainer,
+  state,
+  train_iter,
+  checkpointer: ckpt_lib.Checkpointer,
+  writer,
+  workdir: str,
+):
   """Trains to `steps`; returns (state, whether the last step evaluated)."""
   cfg = exp.train
   peak, peak_source = metrics_lib.peak_flops_per_device()
@@ -116,25 +138,29 @@ def train_loop(exp: Experiment, trainer: Trainer, state, train_iter,
   t_compile = time.perf_counter()
   compiled = trainer.compile_train_step()
   memory = metrics_lib.compiled_memory(compiled)
-  logging.info("Train step compiled in %.1f s; per-device memory %s",
-               time.perf_counter() - t_compile, memory)
+  logging.info(
+    "Train step compiled in %.1f s; per-device memory %s", time.perf_counter() - t_compile, memory
+  )
   flops_per_token = exp.model.flops_per_token(cfg.seq_len, causal=True)
   n_devices = jax.device_count()
   step = int(jax.device_get(state["step"]))
   if step >= cfg.steps:
     logging.info("Nothing to train: step %d >= steps %d.", step, cfg.steps)
     return state, False
-  logging.info("Training %s from step %d to %d (%d tokens/step).",
-               trainer.strategy, step, cfg.steps, cfg.batch_size * cfg.seq_len)
+  logging.info(
+    "Training %s from step %d to %d (%d tokens/step).",
+    trainer.strategy,
+    step,
+    cfg.steps,
+    cfg.batch_size * cfg.seq_len,
+  )
   window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
   metrics = None
   while step < cfg.steps:
     host_batch = next(train_iter)
     # Useful tokens: non-pad positions, counted on the host (no device sync).
-    window_tokens += float(np.count_nonzero(host_batch["segment_ids"])) * (
-        jax.process_count())
-    state, metrics = trainer.train_step(state, trainer.device_batch(
-        host_batch))
+    window_tokens += float(np.count_nonzero(host_batch["segment_ids"])) * (jax.process_count())
+    state, metrics = trainer.train_step(state, trainer.device_batch(host_batch))
     step += 1
     window_steps += 1
     last = step == cfg.steps
@@ -144,23 +170,29 @@ def train_loop(exp: Experiment, trainer: Trainer, state, train_iter,
       tps = window_tokens / elapsed
       tflops = flops_per_token * tps / n_devices / 1e12
       record = {
-          "loss": float(metrics["loss"]),
-          "grad_norm": float(metrics["grad_norm"]),
-          "learning_rate": float(metrics["learning_rate"]),
-          "tokens_per_sec": tps,
-          "tflops_per_device": tflops,
-          "mfu": tflops * 1e12 / peak if peak else 0.0,
-          "step_time_s": elapsed / window_steps,
+        "loss": float(metrics["loss"]),
+        "grad_norm": float(metrics["grad_norm"]),
+        "learning_rate": float(metrics["learning_rate"]),
+        "tokens_per_sec": tps,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / peak if peak else 0.0,
+        "step_time_s": elapsed / window_steps,
       }
       record.update({f"memory/{k}": v for k, v in memory.items()})
-      record.update({f"memory/{k}": v for k, v in
-                     metrics_lib.live_memory().items()})
+      record.update({f"memory/{k}": v for k, v in metrics_lib.live_memory().items()})
       writer.write(step, record)
       logging.info(
-          "step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %.0f tok/s | "
-          "%.3f TFLOP/s/device | MFU %.1f%%", step, cfg.steps, record["loss"],
-          record["grad_norm"], record["learning_rate"], tps, tflops,
-          100 * record["mfu"])
+        "step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %.0f tok/s | "
+        "%.3f TFLOP/s/device | MFU %.1f%%",
+        step,
+        cfg.steps,
+        record["loss"],
+        record["grad_norm"],
+        record["learning_rate"],
+        tps,
+        tflops,
+        100 * record["mfu"],
+      )
       window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
     # Held-out loss every eval_every steps and at the end; retrieval evals
     # every retrieval_eval_every steps and at the end, when configured.
@@ -168,8 +200,9 @@ def train_loop(exp: Experiment, trainer: Trainer, state, train_iter,
       ev = evaluate_loss(exp, trainer, state)
       writer.write(step, ev)
       logging.info("step %d | eval loss %.4f", step, ev["eval/loss"])
-    if exp.evals is not None and (last or (
-        cfg.retrieval_eval_every and step % cfg.retrieval_eval_every == 0)):
+    if exp.evals is not None and (
+      last or (cfg.retrieval_eval_every and step % cfg.retrieval_eval_every == 0)
+    ):
       results = evaluate_retrieval(exp, trainer, state, workdir, step)
       writer.write(step, results)
       logging.info("step %d | retrieval %s", step, _summary(results))
@@ -192,31 +225,41 @@ def run(mode: str, workdir: str, exp: Experiment) -> None:
     raise ValueError(f"--mode={mode!r} is not one of {MODES}.")
   os.makedirs(workdir, exist_ok=True)
   mesh = mesh_lib.make_mesh(exp.mesh)
-  logging.info("Mesh %s on %d devices (%s).", mesh_lib.mesh_shape(mesh),
-               jax.device_count(), jax.devices()[0].device_kind)
+  logging.info(
+    "Mesh %s on %d devices (%s).",
+    mesh_lib.mesh_shape(mesh),
+    jax.device_count(),
+    jax.devices()[0].device_kind,
+  )
   if mode == "inspect_data":
-    print(data_lib.inspect_data(exp.data, batch_size=max(
-        1, exp.train.batch_size // jax.process_count()),
-        seq_len=exp.train.seq_len))
+    print(
+      data_lib.inspect_data(
+        exp.data,
+        batch_size=max(1, exp.train.batch_size // jax.process_count()),
+        seq_len=exp.train.seq_len,
+      )
+    )
     return
 
   trainer = Trainer(exp.model, exp.train, mesh)
   checkpointer = ckpt_lib.Checkpointer(
-      workdir, save_every=exp.train.checkpoint_every,
-      keep=exp.train.keep_checkpoints, async_save=exp.train.async_checkpoint)
+    workdir,
+    save_every=exp.train.checkpoint_every,
+    keep=exp.train.keep_checkpoints,
+    async_save=exp.train.async_checkpoint,
+  )
   train_iter = make_data_iterator(exp, trainer, "train", seed=exp.train.seed)
   latest = checkpointer.latest_step()
   if latest is not None:
-    state, data_state = checkpointer.restore(latest, trainer.abstract_state,
-                                             _meta(exp))
+    state, data_state = checkpointer.restore(latest, trainer.abstract_state, _meta(exp))
     if data_state:
       train_iter.set_state(data_state)
-    logging.info("Resumed from step %d in %s.", latest,
-                 checkpointer.directory)
+    logging.info("Resumed from step %d in %s.", latest, checkpointer.directory)
   elif mode == "eval":
     raise FileNotFoundError(
-        f"--mode=eval needs a checkpoint, and {checkpointer.directory} has "
-        "none. Train first (--mode=train) with this --workdir.")
+      f"--mode=eval needs a checkpoint, and {checkpointer.directory} has "
+      "none. Train first (--mode=train) with this --workdir."
+    )
   else:
     state = trainer.init_state(exp.train.seed)
 
@@ -224,8 +267,7 @@ def run(mode: str, workdir: str, exp: Experiment) -> None:
   try:
     evaluated = False
     if mode in ("train", "train_and_eval"):
-      state, evaluated = train_loop(exp, trainer, state, train_iter,
-                                    checkpointer, writer, workdir)
+      state, evaluated = train_loop(exp, trainer, state, train_iter, checkpointer, writer, workdir)
     if mode == "eval" or (mode == "train_and_eval" and not evaluated):
       step = int(jax.device_get(state["step"]))
       results = evaluate_loss(exp, trainer, state)

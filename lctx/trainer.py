@@ -4,10 +4,11 @@ Everything the loop in lctx/train.py needs, built with explicit shardings:
 `jax.eval_shape` gives the state shapes, the logical axis names give the
 shardings, and the train step is lowered and compiled once before the loop.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -72,6 +73,7 @@ class TrainConfig:
       512 uses AVX-512 where the CPU has it: the attention softmax's exp ran
       ~1.4x faster). None keeps XLA's default.
   """
+
   batch_size: int = 8
   seq_len: int = 512
   steps: int = 100
@@ -108,14 +110,15 @@ class TrainConfig:
 # ----------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------
-def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation,
-                                               optax.Schedule]:
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with linear warm-up, cosine decay and global-norm clipping."""
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate,
-      warmup_steps=max(cfg.warmup_steps, 1),
-      decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
-      end_value=cfg.learning_rate * cfg.end_lr_ratio)
+    init_value=0.0,
+    peak_value=cfg.learning_rate,
+    warmup_steps=max(cfg.warmup_steps, 1),
+    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+    end_value=cfg.learning_rate * cfg.end_lr_ratio,
+  )
 
   def decay_mask(params):
     # Norm scales and biases are not decayed; stacked (scanned) norm scales
@@ -123,77 +126,91 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation,
     def keep(path, _):
       names = [str(getattr(p, "key", p)) for p in path]
       return not any(n in ("scale", "bias") for n in names)
+
     return jax.tree_util.tree_map_with_path(keep, params)
 
   parts = []
   if cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-  parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, mask=decay_mask))
+  parts.append(
+    optax.adamw(
+      schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+    )
+  )
   return optax.chain(*parts), schedule
 
 
-def make_attention_fn(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
-                      ) -> tuple[Callable, str, bool]:
+def make_attention_fn(
+  cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
+) -> tuple[Callable, str, bool]:
   """Chooses and builds the attention plug-in: (fn, strategy, load_balance)."""
   from lctx import parallel  # pylint: disable=g-import-not-at-top
+
   shape = mesh_lib.mesh_shape(mesh)
   strategy = cfg.context_parallel_strategy
   mla = model_cfg.attention == "mla"
   num_kv_heads = model_cfg.num_heads if mla else model_cfg.num_kv_heads
   if strategy == "auto" and shape["context"] * shape["context_ulysses"] == 1:
     strategy = "none"
-    logging.info("context_parallel_strategy=auto: context degree 1, so no "
-                 "context parallelism.")
+    logging.info("context_parallel_strategy=auto: context degree 1, so no context parallelism.")
   if strategy == "auto":
     batch_ways, _ = mesh_lib.batch_shard_counts(mesh)
     act_bytes = 2 if model_cfg.dtype == "bfloat16" else 4
     strategy, reason = parallel.choose_strategy(
-        mesh_shape=shape, num_q_heads=model_cfg.num_heads,
-        num_kv_heads=num_kv_heads, seq_len=cfg.seq_len,
-        head_dim=(model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
-                  if mla else model_cfg.head_dim),
-        v_head_dim=model_cfg.v_head_dim if mla else None,
-        batch_per_device=max(1, cfg.batch_size // batch_ways),
-        bytes_per_element=act_bytes,
-        memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
-        # Residual stream + MLP hidden per token, saved across one layer.
-        activation_bytes_per_token=act_bytes * (2 * model_cfg.d_model +
-                                                model_cfg.mlp_dim),
-        load_balance=cfg.load_balance)
-    logging.info("context_parallel_strategy=auto chose %r: %s", strategy,
-                 reason)
+      mesh_shape=shape,
+      num_q_heads=model_cfg.num_heads,
+      num_kv_heads=num_kv_heads,
+      seq_len=cfg.seq_len,
+      head_dim=(
+        model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim if mla else model_cfg.head_dim
+      ),
+      v_head_dim=model_cfg.v_head_dim if mla else None,
+      batch_per_device=max(1, cfg.batch_size // batch_ways),
+      bytes_per_element=act_bytes,
+      memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
+      # Residual stream + MLP hidden per token, saved across one layer.
+      activation_bytes_per_token=act_bytes * (2 * model_cfg.d_model + model_cfg.mlp_dim),
+      load_balance=cfg.load_balance,
+    )
+    logging.info("context_parallel_strategy=auto chose %r: %s", strategy, reason)
   load_balance = cfg.load_balance
   if load_balance is None:
     load_balance = strategy in ("ring", "usp")
   if strategy != "none":
     parallel.validate_context_parallel(
-        strategy=strategy, mesh_shape=shape,
-        num_q_heads=model_cfg.num_heads,
-        num_kv_heads=num_kv_heads,
-        seq_len=cfg.seq_len, load_balance=load_balance)
+      strategy=strategy,
+      mesh_shape=shape,
+      num_q_heads=model_cfg.num_heads,
+      num_kv_heads=num_kv_heads,
+      seq_len=cfg.seq_len,
+      load_balance=load_balance,
+    )
   elif shape["context"] * shape["context_ulysses"] > 1:
     raise ValueError(
-        "context_parallel_strategy='none' needs context = context_ulysses = 1,"
-        f" got mesh {shape}.")
-  kernel_args = dict(kernel_backend=cfg.attention_backend,
-                     block_q=cfg.attention_block_q,
-                     block_kv=cfg.attention_block_kv,
-                     block_q_bwd=cfg.attention_block_q_bwd,
-                     block_kv_bwd=cfg.attention_block_kv_bwd)
+      f"context_parallel_strategy='none' needs context = context_ulysses = 1, got mesh {shape}."
+    )
+  kernel_args = dict(
+    kernel_backend=cfg.attention_backend,
+    block_q=cfg.attention_block_q,
+    block_kv=cfg.attention_block_kv,
+    block_q_bwd=cfg.attention_block_q_bwd,
+    block_kv_bwd=cfg.attention_block_kv_bwd,
+  )
   if cfg.attention_backend == "auto" and jax.default_backend() == "cpu":
     if cpu_fused.available():
-      logging.info("attention: float32 calls run the fused C++ CPU kernel "
-                   "(lctx/kernels/cpu_attention.cc)")
+      logging.info(
+        "attention: float32 calls run the fused C++ CPU kernel (lctx/kernels/cpu_attention.cc)"
+      )
     else:
-      logging.warning("attention: the fused C++ CPU kernel is unavailable (%s); "
-                      "using the pure-JAX blockwise kernel",
-                      cpu_fused.unavailable_reason())
+      logging.warning(
+        "attention: the fused C++ CPU kernel is unavailable (%s); "
+        "using the pure-JAX blockwise kernel",
+        cpu_fused.unavailable_reason(),
+      )
   if strategy == "none":
     fn = local_attention_fn(**kernel_args)
   else:
-    fn = parallel.make_attention_fn(mesh, strategy, load_balance=load_balance,
-                                    **kernel_args)
+    fn = parallel.make_attention_fn(mesh, strategy, load_balance=load_balance, **kernel_args)
   return fn, strategy, load_balance
 
 
@@ -207,51 +224,55 @@ def ring_size(mesh) -> int:
 class Trainer:
   """Holds the model, optimizer, shardings and the compiled steps."""
 
-  def __init__(self, model_cfg: models.ModelConfig, train_cfg: TrainConfig,
-               mesh):
+  def __init__(self, model_cfg: models.ModelConfig, train_cfg: TrainConfig, mesh):
     self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
     if train_cfg.cpu_vector_width not in (None, 128, 256, 512):
-      raise ValueError("TrainConfig.cpu_vector_width must be None, 128, 256 or "
-                       f"512 (bits); got {train_cfg.cpu_vector_width!r}.")
+      raise ValueError(
+        "TrainConfig.cpu_vector_width must be None, 128, 256 or "
+        f"512 (bits); got {train_cfg.cpu_vector_width!r}."
+      )
     for name in ("attention_block_q_bwd", "attention_block_kv_bwd"):
       value = getattr(train_cfg, name)
       if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"TrainConfig.{name} must be None or a positive int; "
-                         f"got {value!r}.")
+        raise ValueError(f"TrainConfig.{name} must be None or a positive int; got {value!r}.")
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     if train_cfg.cpu_keep_freed_memory and on_cpu:
       host.keep_freed_memory()
     # XLA options of every step this trainer compiles.
     self.compiler_options = {}
     if on_cpu and train_cfg.cpu_vector_width:
-      self.compiler_options["xla_cpu_prefer_vector_width"] = int(
-          train_cfg.cpu_vector_width)
+      self.compiler_options["xla_cpu_prefer_vector_width"] = int(train_cfg.cpu_vector_width)
     self.attention_fn, self.strategy, self.load_balance = make_attention_fn(
-        train_cfg, mesh, model_cfg)
+      train_cfg, mesh, model_cfg
+    )
     self.model = models.Transformer(model_cfg, self.attention_fn)
     self.tx, self.schedule = make_optimizer(train_cfg)
     self.batch_sharding = mesh_lib.batch_sharding(mesh)
     batch_ways, _ = mesh_lib.batch_shard_counts(mesh)
     if train_cfg.batch_size % batch_ways:
       raise ValueError(
-          f"batch_size={train_cfg.batch_size} is not divisible by the batch "
-          f"sharding data x fsdp = {batch_ways}.")
+        f"batch_size={train_cfg.batch_size} is not divisible by the batch "
+        f"sharding data x fsdp = {batch_ways}."
+      )
     self.rules = mesh_lib.LOGICAL_RULES
 
     # Shapes first (no memory), then shardings from the logical names.
     abstract = jax.eval_shape(self._init_boxed, jax.random.key(0))
     specs = nn.get_partition_spec(abstract)
     with self._context():
-      self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh,
-                                                        self.rules)
+      self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh, self.rules)
     self.abstract_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        nn.unbox(abstract), self.state_sharding)
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      nn.unbox(abstract),
+      self.state_sharding,
+    )
     self._train_step = None
     self._eval_step = jax.jit(
-        self._eval_step_impl,
-        in_shardings=(self.state_sharding, self.batch_sharding),
-        out_shardings=None, compiler_options=self.compiler_options)
+      self._eval_step_impl,
+      in_shardings=(self.state_sharding, self.batch_sharding),
+      out_shardings=None,
+      compiler_options=self.compiler_options,
+    )
 
   def _context(self):
     return _MeshRules(self.mesh, self.rules)
@@ -263,47 +284,59 @@ class Trainer:
     dummy = jnp.zeros((b, t), jnp.int32)
     params = self.model.init(rng, dummy, dummy, dummy + 1)["params"]
     return {
-        "step": jnp.zeros((), jnp.int32),
-        "params": params,
-        "opt_state": self.tx.init(params),
-        # Raw key data (checkpointable as a plain array); split every step
-        # for stochastic layers and data-dependent noise.
-        "rng": jax.random.key_data(jax.random.fold_in(rng, 1)),
+      "step": jnp.zeros((), jnp.int32),
+      "params": params,
+      "opt_state": self.tx.init(params),
+      # Raw key data (checkpointable as a plain array); split every step
+      # for stochastic layers and data-dependent noise.
+      "rng": jax.random.key_data(jax.random.fold_in(rng, 1)),
     }
 
   def init_state(self, seed: int):
     with self._context():
-      init = jax.jit(lambda r: nn.unbox(self._init_boxed(r)),
-                     out_shardings=self.state_sharding)
+      init = jax.jit(lambda r: nn.unbox(self._init_boxed(r)), out_shardings=self.state_sharding)
       return init(jax.random.key(seed))
 
   # -- steps ------------------------------------------------------------------
   def loss_fn(self, params, batch):
     """Mean next-token loss over loss_mask; returns (total, aux)."""
-    hidden = self.model.apply({"params": params}, batch["inputs"],
-                              batch["positions"], batch["segment_ids"],
-                              return_hidden=True)
+    hidden = self.model.apply(
+      {"params": params},
+      batch["inputs"],
+      batch["positions"],
+      batch["segment_ids"],
+      return_hidden=True,
+    )
     unembed = models.unembed_matrix(params, self.model_cfg)
     loss_sum, z_sum, weight = chunked_cross_entropy(
-        hidden, unembed.astype(hidden.dtype), batch["targets"],
-        batch["loss_mask"], chunk_size=self.cfg.loss_chunk_size,
-        z_loss=self.cfg.z_loss)
+      hidden,
+      unembed.astype(hidden.dtype),
+      batch["targets"],
+      batch["loss_mask"],
+      chunk_size=self.cfg.loss_chunk_size,
+      z_loss=self.cfg.z_loss,
+    )
     denom = jnp.maximum(weight, 1.0)
-    return (loss_sum + z_sum) / denom, {"loss": loss_sum / denom,
-                                        "tokens": weight}
+    return (loss_sum + z_sum) / denom, {"loss": loss_sum / denom, "tokens": weight}
 
   def _train_step_impl(self, state, batch):
     grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
     (_, aux), grads = grad_fn(state["params"], batch)
-    updates, opt_state = self.tx.update(grads, state["opt_state"],
-                                        state["params"])
+    updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
-    new_state = {"step": state["step"] + 1, "params": params,
-                 "opt_state": opt_state, "rng": jax.random.key_data(rng)}
-    metrics = {"loss": aux["loss"], "tokens": aux["tokens"],
-               "grad_norm": optax.global_norm(grads),
-               "learning_rate": self.schedule(state["step"])}
+    new_state = {
+      "step": state["step"] + 1,
+      "params": params,
+      "opt_state": opt_state,
+      "rng": jax.random.key_data(rng),
+    }
+    metrics = {
+      "loss": aux["loss"],
+      "tokens": aux["tokens"],
+      "grad_norm": optax.global_norm(grads),
+      "learning_rate": self.schedule(state["step"]),
+    }
     return new_state, metrics
 
   def _eval_step_impl(self, state, batch):
@@ -312,18 +345,21 @@ class Trainer:
 
   def abstract_batch(self, batch_size: int | None = None):
     b = batch_size or self.cfg.batch_size
-    shapes = {k: (jnp.float32 if k == "loss_mask" else jnp.int32)
-              for k in BATCH_KEYS}
-    return {k: jax.ShapeDtypeStruct((b, self.cfg.seq_len), dt,
-                                    sharding=self.batch_sharding)
-            for k, dt in shapes.items()}
+    shapes = {k: (jnp.float32 if k == "loss_mask" else jnp.int32) for k in BATCH_KEYS}
+    return {
+      k: jax.ShapeDtypeStruct((b, self.cfg.seq_len), dt, sharding=self.batch_sharding)
+      for k, dt in shapes.items()
+    }
 
   def lower_train_step(self):
     """Lowers the train step on abstract inputs (no device memory needed)."""
-    jitted = jax.jit(self._train_step_impl,
-                     in_shardings=(self.state_sharding, self.batch_sharding),
-                     out_shardings=(self.state_sharding, None),
-                     donate_argnums=(0,), compiler_options=self.compiler_options)
+    jitted = jax.jit(
+      self._train_step_impl,
+      in_shardings=(self.state_sharding, self.batch_sharding),
+      out_shardings=(self.state_sharding, None),
+      donate_argnums=(0,),
+      compiler_options=self.compiler_options,
+    )
     with self._context():
       return jitted.lower(self.abstract_state, self.abstract_batch())
 
@@ -342,42 +378,46 @@ class Trainer:
 
   def device_batch(self, host_batch: Mapping[str, np.ndarray]):
     """Host-local numpy rows -> one global array per key on the mesh."""
-    return {k: jax.make_array_from_process_local_data(
-        self.batch_sharding, np.asarray(host_batch[k])) for k in BATCH_KEYS}
+    return {
+      k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(host_batch[k]))
+      for k in BATCH_KEYS
+    }
 
-  def logits_fn(self, state) -> Callable[[Mapping[str, np.ndarray]],
-                                         np.ndarray]:
+  def logits_fn(self, state) -> Callable[[Mapping[str, np.ndarray]], np.ndarray]:
     """Natural-order batch -> float32 logits, through the training forward.
 
     Rows are padded to the batch sharding and, when the run load-balances,
     zigzag-reordered in and out, so evals see exactly the training path.
     """
     from lctx import parallel  # pylint: disable=g-import-not-at-top
+
     batch_ways, _ = mesh_lib.batch_shard_counts(self.mesh)
     ring = ring_size(self.mesh)
-    apply = jax.jit(lambda p, x, pos, seg: self.model.apply(
-        {"params": p}, x, pos, seg).astype(jnp.float32),
-                    compiler_options=self.compiler_options)
+    apply = jax.jit(
+      lambda p, x, pos, seg: self.model.apply({"params": p}, x, pos, seg).astype(jnp.float32),
+      compiler_options=self.compiler_options,
+    )
 
     def fn(batch):
-      x = {k: np.asarray(batch[k]) for k in ("inputs", "positions",
-                                             "segment_ids")}
+      x = {k: np.asarray(batch[k]) for k in ("inputs", "positions", "segment_ids")}
       b = x["inputs"].shape[0]
       pad = (-b) % batch_ways
       if pad:
-        x = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
-             for k, v in x.items()}
+        x = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in x.items()}
       if self.load_balance:
         x = {k: parallel.zigzag_reorder(v, ring) for k, v in x.items()}
-      arrays = {k: jax.make_array_from_process_local_data(
-          self.batch_sharding, v) for k, v in x.items()}
+      arrays = {
+        k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in x.items()
+      }
       with self._context():
-        logits = apply(state["params"], arrays["inputs"], arrays["positions"],
-                       arrays["segment_ids"])
+        logits = apply(
+          state["params"], arrays["inputs"], arrays["positions"], arrays["segment_ids"]
+        )
       logits = np.asarray(jax.device_get(logits))
       if self.load_balance:
         logits = parallel.zigzag_inverse(logits, ring)
       return logits[:b]
+
     return fn
 
 

@@ -8,6 +8,7 @@ tokens/s and model FLOP/s (REFERENCE.md section 4) as a fraction of a 2048^3
 matmul timed in the same run on the same devices. Prints a table and writes
 JSON (--out).
 """
+
 import json
 import os
 import platform
@@ -29,15 +30,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(_):
   from lctx import gin_utils  # pylint: disable=g-import-not-at-top
+
   n = gin_utils.local_devices_macro(FLAGS.gin_file, [ROOT], FLAGS.gin_param)
   if n:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}")
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    )
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from lctx import configs, metrics  # pylint: disable=g-import-not-at-top
   from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
+
   gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param, [ROOT])
   exp = configs.experiment()
   mesh = mesh_lib.make_mesh(exp.mesh)
@@ -45,14 +50,17 @@ def main(_):
   state = trainer.init_state(0)
   b, t = exp.train.batch_size, exp.train.seq_len
   rng = np.random.default_rng(0)
-  tokens = rng.integers(3, min(exp.model.vocab_size, 259), (b, t + 1),
-                        dtype=np.int32)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-           "segment_ids": np.ones((b, t), np.int32),
-           "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-           "loss_mask": np.ones((b, t), np.float32)}
+  tokens = rng.integers(3, min(exp.model.vocab_size, 259), (b, t + 1), dtype=np.int32)
+  batch = {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": np.ones((b, t), np.int32),
+    "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+    "loss_mask": np.ones((b, t), np.float32),
+  }
   if trainer.load_balance:
     from lctx import parallel  # pylint: disable=g-import-not-at-top
+
     ring = mesh_lib.mesh_shape(mesh)["context"]
     batch = {k: parallel.zigzag_reorder(v, ring) for k, v in batch.items()}
   dev_batch = trainer.device_batch(batch)
@@ -74,29 +82,36 @@ def main(_):
   matmul = metrics.measure_matmul_flops(repeats=10)
   flops_step = exp.model.flops_per_token(t, causal=True) * b * t
   result = {
-      "gin_files": FLAGS.gin_file, "gin_params": FLAGS.gin_param,
-      "machine": f"{platform.node()} {os.cpu_count()} cpus "
-                 f"{jax.devices()[0].device_kind} x{jax.device_count()}",
-      "strategy": trainer.strategy, "load_balance": trainer.load_balance,
-      "attention_backend": exp.train.attention_backend,
-      # What the compiled step really calls (auto may fall back to blockwise).
-      "fused_cpu_attention": "lctx_cpu_attention_fwd" in compiled.as_text(),
-      "tokens_per_step": b * t, "compile_s": compile_s,
-      "step_s_median": step_s, "step_s_all": times,
-      "tokens_per_sec": b * t / step_s,
-      "model_flops_per_step": flops_step,
-      "model_gflops_per_sec": flops_step / step_s / 1e9,
-      "matmul_2048_gflops_per_sec": matmul / 1e9,
-      "fraction_of_matmul": flops_step / step_s / matmul,
-      "memory": metrics.compiled_memory(compiled),
-      "final_loss": float(jax.device_get(m["loss"])),
+    "gin_files": FLAGS.gin_file,
+    "gin_params": FLAGS.gin_param,
+    "machine": f"{platform.node()} {os.cpu_count()} cpus "
+    f"{jax.devices()[0].device_kind} x{jax.device_count()}",
+    "strategy": trainer.strategy,
+    "load_balance": trainer.load_balance,
+    "attention_backend": exp.train.attention_backend,
+    # What the compiled step really calls (auto may fall back to blockwise).
+    "fused_cpu_attention": "lctx_cpu_attention_fwd" in compiled.as_text(),
+    "tokens_per_step": b * t,
+    "compile_s": compile_s,
+    "step_s_median": step_s,
+    "step_s_all": times,
+    "tokens_per_sec": b * t / step_s,
+    "model_flops_per_step": flops_step,
+    "model_gflops_per_sec": flops_step / step_s / 1e9,
+    "matmul_2048_gflops_per_sec": matmul / 1e9,
+    "fraction_of_matmul": flops_step / step_s / matmul,
+    "memory": metrics.compiled_memory(compiled),
+    "final_loss": float(jax.device_get(m["loss"])),
   }
-  print(f"{'experiment':<40} {'tok/s':>9} {'model GFLOP/s':>14} "
-        f"{'matmul GFLOP/s':>15} {'fraction':>9}")
-  print(f"{','.join(FLAGS.gin_file):<40} {result['tokens_per_sec']:>9.0f} "
-        f"{result['model_gflops_per_sec']:>14.1f} "
-        f"{result['matmul_2048_gflops_per_sec']:>15.1f} "
-        f"{result['fraction_of_matmul']:>9.1%}")
+  print(
+    f"{'experiment':<40} {'tok/s':>9} {'model GFLOP/s':>14} {'matmul GFLOP/s':>15} {'fraction':>9}"
+  )
+  print(
+    f"{','.join(FLAGS.gin_file):<40} {result['tokens_per_sec']:>9.0f} "
+    f"{result['model_gflops_per_sec']:>14.1f} "
+    f"{result['matmul_2048_gflops_per_sec']:>15.1f} "
+    f"{result['fraction_of_matmul']:>9.1%}"
+  )
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   with open(FLAGS.out, "w") as f:
     json.dump(result, f, indent=2)

@@ -6,8 +6,8 @@
 Writes <prefix>.model and <prefix>.vocab, with pad=0, bos=1, eos=2 as lctx
 requires; load it with lctx.data.make_tokenizer('sentencepiece', '<prefix>.model').
 """
+
 import argparse
-import io
 import os
 import sys
 
@@ -17,15 +17,23 @@ from lctx.data import corpus  # noqa: E402
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("--output_prefix", required=True)
-  p.add_argument("--text_glob", default=corpus.DEFAULT_CORPUS,
-                 help="directory or glob of text files; 'stdlib' = default corpus")
+  p.add_argument(
+    "--text_glob",
+    default=corpus.DEFAULT_CORPUS,
+    help="directory or glob of text files; 'stdlib' = default corpus",
+  )
   p.add_argument("--vocab_size", type=int, default=8192)
   p.add_argument("--model_type", default="bpe", choices=["bpe", "unigram"])
-  p.add_argument("--max_mb", type=float, default=20.0,
-                 help="stop reading the corpus after this many MB (training time)")
+  p.add_argument(
+    "--max_mb",
+    type=float,
+    default=20.0,
+    help="stop reading the corpus after this many MB (training time)",
+  )
   p.add_argument("--max_sentence_length", type=int, default=16384)
   args = p.parse_args(argv)
 
@@ -43,15 +51,26 @@ def main(argv=None):
       break
   os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(lines), model_prefix=args.output_prefix,
-      vocab_size=args.vocab_size, model_type=args.model_type,
-      pad_id=0, bos_id=1, eos_id=2, unk_id=3, byte_fallback=True,
-      character_coverage=1.0, max_sentence_length=args.max_sentence_length,
-      # Code and books need exact whitespace: no NFKC, no space collapsing.
-      normalization_rule_name="identity", remove_extra_whitespaces=False,
-      allow_whitespace_only_pieces=True, split_digits=True,
-      num_threads=2, minloglevel=2)
-  print(f"wrote {args.output_prefix}.model ({len(lines)} lines, {total/1e6:.1f} MB)")
+    sentence_iterator=iter(lines),
+    model_prefix=args.output_prefix,
+    vocab_size=args.vocab_size,
+    model_type=args.model_type,
+    pad_id=0,
+    bos_id=1,
+    eos_id=2,
+    unk_id=3,
+    byte_fallback=True,
+    character_coverage=1.0,
+    max_sentence_length=args.max_sentence_length,
+    # Code and books need exact whitespace: no NFKC, no space collapsing.
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    allow_whitespace_only_pieces=True,
+    split_digits=True,
+    num_threads=2,
+    minloglevel=2,
+  )
+  print(f"wrote {args.output_prefix}.model ({len(lines)} lines, {total / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":

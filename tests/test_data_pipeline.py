@@ -1,5 +1,6 @@
 """grain pipeline: packing exactness, positions, determinism, resume, sharding,
 mixtures and the copy task, on a tiny local corpus (fast)."""
+
 import collections
 import json
 
@@ -29,16 +30,28 @@ def corpus(tmp_path_factory):
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(raw)
     docs[str(path)] = raw
-  config = DataConfig(text_glob=str(root / "texts"), data_dir=str(root / "cache"),
-                      validation_fraction=0.2, num_epochs=1, num_packing_bins=8,
-                      window_shuffle_size=4, seq_len=S, copy_max_key_len=12)
+  config = DataConfig(
+    text_glob=str(root / "texts"),
+    data_dir=str(root / "cache"),
+    validation_fraction=0.2,
+    num_epochs=1,
+    num_packing_bins=8,
+    window_shuffle_size=4,
+    seq_len=S,
+    copy_max_key_len=12,
+  )
   return config, docs
 
 
 def _train_docs(config):
   from lctx.data import open_text_corpus
-  src = open_text_corpus(config.text_glob, split="train", data_dir=config.data_dir,
-                         validation_fraction=config.validation_fraction)
+
+  src = open_text_corpus(
+    config.text_glob,
+    split="train",
+    data_dir=config.data_dir,
+    validation_fraction=config.validation_fraction,
+  )
   return [src[i] for i in range(len(src))]
 
 
@@ -67,7 +80,7 @@ def _expected_windows(docs, absolute=True):
     for start in range(0, len(t) - 1, S):
       end = min(start + S, len(t) - 1)
       first = start if absolute else 0
-      out.append((t[start:end], t[start + 1:end + 1], np.arange(first, first + end - start)))
+      out.append((t[start:end], t[start + 1 : end + 1], np.arange(first, first + end - start)))
   return out
 
 
@@ -79,8 +92,9 @@ def _key(piece):
 def test_first_fit_loses_no_token_and_pads_only_at_row_ends(corpus, positions):
   config, _ = corpus
   config = DataConfig(**{**config.__dict__, "continuation_positions": positions})
-  batches = _all_batches(make_iterator(config, batch_size=1, seed=0,
-                                       process_index=0, process_count=1))
+  batches = _all_batches(
+    make_iterator(config, batch_size=1, seed=0, process_index=0, process_count=1)
+  )
   for b in batches:
     for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask"):
       assert b[k].shape == (1, S)
@@ -93,8 +107,9 @@ def test_first_fit_loses_no_token_and_pads_only_at_row_ends(corpus, positions):
     assert np.array_equal(b["loss_mask"][0], (seg > 0).astype(np.float32))
     assert np.all(b["inputs"][0][seg == 0] == 0) and np.all(b["positions"][0][seg == 0] == 0)
   got = collections.Counter(_key(p) for p in _pieces(batches))
-  want = collections.Counter(_key(w) for w in
-                             _expected_windows(_train_docs(config), positions == "absolute"))
+  want = collections.Counter(
+    _key(w) for w in _expected_windows(_train_docs(config), positions == "absolute")
+  )
   assert got == want  # every window exactly once, every token, exact positions
   # Long documents really were cut (the test would be vacuous otherwise).
   assert sum(1 for w in want if len(w) == 3 * S) >= 3
@@ -103,8 +118,9 @@ def test_first_fit_loses_no_token_and_pads_only_at_row_ends(corpus, positions):
 def test_concat_split_keeps_every_token(corpus):
   config, _ = corpus
   config = DataConfig(**{**config.__dict__, "packing": "concat_split"})
-  batches = _all_batches(make_iterator(config, batch_size=1, seed=0,
-                                       process_index=0, process_count=1))
+  batches = _all_batches(
+    make_iterator(config, batch_size=1, seed=0, process_index=0, process_count=1)
+  )
   real = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
   want = sum(len(w[0]) for w in _expected_windows(_train_docs(config)))
   assert real == want
@@ -118,8 +134,9 @@ def test_positions_restart_or_continue(corpus):
   config, _ = corpus
   for mode in ("absolute", "restart"):
     cfg = DataConfig(**{**config.__dict__, "continuation_positions": mode})
-    pieces = _pieces(_all_batches(make_iterator(cfg, batch_size=2, seed=0,
-                                                process_index=0, process_count=1)))
+    pieces = _pieces(
+      _all_batches(make_iterator(cfg, batch_size=2, seed=0, process_index=0, process_count=1))
+    )
     firsts = [int(p[2][0]) for p in pieces]
     for p in pieces:
       assert np.array_equal(p[2], p[2][0] + np.arange(len(p[2])))
@@ -132,9 +149,11 @@ def test_positions_restart_or_continue(corpus):
 def test_same_seed_same_batches_other_seed_differs(corpus):
   config, _ = corpus
   config = DataConfig(**{**config.__dict__, "num_epochs": None})
+
   def take(seed, n=4):
     it = make_iterator(config, batch_size=2, seed=seed, process_index=0, process_count=1)
     return [next(it) for _ in range(n)]
+
   a, b, c = take(0), take(0), take(7)
   for x, y in zip(a, b):
     for k in x:
@@ -142,12 +161,21 @@ def test_same_seed_same_batches_other_seed_differs(corpus):
   assert any(not np.array_equal(x["inputs"], z["inputs"]) for x, z in zip(a, c))
 
 
-@pytest.mark.parametrize("packing,sources", [
-    ("first_fit", ("text",)), ("concat_split", ("text",)), ("first_fit", ("text", "copy"))])
+@pytest.mark.parametrize(
+  "packing,sources",
+  [("first_fit", ("text",)), ("concat_split", ("text",)), ("first_fit", ("text", "copy"))],
+)
 def test_resume_after_k_gives_identical_batches(corpus, packing, sources):
   config, _ = corpus
-  config = DataConfig(**{**config.__dict__, "num_epochs": None, "packing": packing,
-                         "sources": sources, "weights": (0.6, 0.4)[:len(sources)]})
+  config = DataConfig(
+    **{
+      **config.__dict__,
+      "num_epochs": None,
+      "packing": packing,
+      "sources": sources,
+      "weights": (0.6, 0.4)[: len(sources)],
+    }
+  )
   kwargs = dict(batch_size=2, seed=3, process_index=0, process_count=1)
   it = make_iterator(config, **kwargs)
   for _ in range(5):  # several passes over the 10 train docs: epochs roll over
@@ -166,8 +194,9 @@ def test_two_processes_disjoint_and_covering(corpus):
   config, _ = corpus
   seen = []
   for pi in range(2):
-    pieces = _pieces(_all_batches(make_iterator(config, batch_size=1, seed=0,
-                                                process_index=pi, process_count=2)))
+    pieces = _pieces(
+      _all_batches(make_iterator(config, batch_size=1, seed=0, process_index=pi, process_count=2))
+    )
     tok = ByteTokenizer()
     seen.append({tok.decode(p[0][:7]) for p in pieces if p[2][0] == 0})
   want = {d[:6].decode() for d in _train_docs(config)}
@@ -179,8 +208,15 @@ def test_invalid_utf8_flows_through_and_decodes(corpus):
   config, docs = corpus
   broken = [raw for raw in docs.values() if b"\xff\xfe" in raw][0]
   tok = ByteTokenizer()
-  batches = _all_batches(make_iterator(DataConfig(**{**config.__dict__, "validation_fraction": 0.0}),
-                                       batch_size=1, seed=0, process_index=0, process_count=1))
+  batches = _all_batches(
+    make_iterator(
+      DataConfig(**{**config.__dict__, "validation_fraction": 0.0}),
+      batch_size=1,
+      seed=0,
+      process_index=0,
+      process_count=1,
+    )
+  )
   text = "".join(tok.decode(b["inputs"][0]) for b in batches)
   assert broken[:6].decode() in text and "\ufffd broken" in text
 
@@ -201,17 +237,21 @@ def test_copy_task_only_source_and_loss_mask():
       assert text.startswith("key: ") and text.endswith("\ncopy: " + key + "\n")
       checked += 1
   assert checked >= 4
-  val = next(make_iterator(config, split="validation", batch_size=4, seed=0,
-                           process_index=0, process_count=1))
+  val = next(
+    make_iterator(
+      config, split="validation", batch_size=4, seed=0, process_index=0, process_count=1
+    )
+  )
   assert not np.array_equal(val["inputs"], b["inputs"])  # held-out keys differ
-
 
 
 def test_synthetic_length_ramp_caps_early_documents():
   """The curriculum: document i is at most start + (seq_len - start) * i / n tokens."""
+
   def segment_lengths(**ramp):
-    config = DataConfig(sources=("copy",), seq_len=256, window_shuffle_size=1,
-                        num_packing_bins=1, **ramp)
+    config = DataConfig(
+      sources=("copy",), seq_len=256, window_shuffle_size=1, num_packing_bins=1, **ramp
+    )
     it = make_iterator(config, batch_size=4, seed=0, process_index=0, process_count=1)
     lengths = []
     for _ in range(6):
@@ -221,24 +261,31 @@ def test_synthetic_length_ramp_caps_early_documents():
     return lengths
 
   ramped = segment_lengths(synthetic_ramp_documents=40, synthetic_ramp_start=96)
-  assert max(ramped[:10]) <= 96 + 160 * 9 // 40      # the cap of document 9
-  assert max(ramped[20:]) > 132                       # longer as the cap rises
+  assert max(ramped[:10]) <= 96 + 160 * 9 // 40  # the cap of document 9
+  assert max(ramped[20:]) > 132  # longer as the cap rises
   plain = segment_lengths()
-  assert max(plain[:10]) > 132                        # no ramp: long from the start
+  assert max(plain[:10]) > 132  # no ramp: long from the start
   assert ramped == segment_lengths(synthetic_ramp_documents=40, synthetic_ramp_start=96)
   with pytest.raises(ValueError, match="synthetic_ramp_start >= 79"):
-    make_iterator(DataConfig(sources=("copy",), synthetic_ramp_documents=10,
-                             synthetic_ramp_start=64), batch_size=1, seq_len=128,
-                  process_index=0, process_count=1)
+    make_iterator(
+      DataConfig(sources=("copy",), synthetic_ramp_documents=10, synthetic_ramp_start=64),
+      batch_size=1,
+      seq_len=128,
+      process_index=0,
+      process_count=1,
+    )
+
 
 def test_mixture_weights_and_batch_transform(corpus):
   config, _ = corpus
-  config = DataConfig(**{**config.__dict__, "num_epochs": None, "sources": ("text", "copy"),
-                         "weights": (1.0, 3.0)})
+  config = DataConfig(
+    **{**config.__dict__, "num_epochs": None, "sources": ("text", "copy"), "weights": (1.0, 3.0)}
+  )
   flip = lambda batch: {k: v[:, ::-1] for k, v in batch.items()}  # noqa: E731
   plain = make_iterator(config, batch_size=4, seed=0, process_index=0, process_count=1)
-  flipped = make_iterator(config, batch_size=4, seed=0, process_index=0, process_count=1,
-                          batch_transform=flip)
+  flipped = make_iterator(
+    config, batch_size=4, seed=0, process_index=0, process_count=1, batch_transform=flip
+  )
   copies = total = 0
   for _ in range(5):
     a, b = next(plain), next(flipped)
@@ -256,12 +303,16 @@ def test_config_errors_are_clear():
     DataConfig(sources=("text", "copy"), weights=(1.0,))
   with pytest.raises(ValueError, match="packing must be"):
     DataConfig(packing="best")
-  with pytest.raises(ValueError, match="copy task needs seq_len >= 79 for copy_max_key_len=32; got seq_len=64"):
-    make_iterator(DataConfig(sources=("copy",)), batch_size=1, seq_len=64,
-                  process_index=0, process_count=1)
+  with pytest.raises(
+    ValueError, match="copy task needs seq_len >= 79 for copy_max_key_len=32; got seq_len=64"
+  ):
+    make_iterator(
+      DataConfig(sources=("copy",)), batch_size=1, seq_len=64, process_index=0, process_count=1
+    )
   with pytest.raises(ValueError, match="process_index=2"):
-    make_iterator(DataConfig(sources=("copy",)), batch_size=1, seq_len=128,
-                  process_index=2, process_count=2)
+    make_iterator(
+      DataConfig(sources=("copy",)), batch_size=1, seq_len=128, process_index=2, process_count=2
+    )
 
 
 def test_inspect_data_report(corpus):
@@ -276,6 +327,7 @@ def test_inspect_data_report(corpus):
 
 def test_load_documents_for_evals(corpus):
   from lctx.data import load_documents, make_tokenizer_for
+
   config, docs = corpus
   assert make_tokenizer_for(config).vocab_size == 259
   got = load_documents(config, split="train", limit=3)

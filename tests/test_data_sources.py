@@ -1,5 +1,6 @@
 """Sources: the local corpus builder (real default corpus), clear errors, and a
 PG-19-shaped TFDS dataset read through the same reader as pg19."""
+
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -15,40 +16,60 @@ class TinyPg19(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version("0.1.1")
 
   def _info(self):
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-        "book_id": np.int32, "book_link": tfds.features.Text(),
-        "book_text": tfds.features.Text(), "book_title": tfds.features.Text(),
-        "publication_date": tfds.features.Text()}))
+    return tfds.core.DatasetInfo(
+      builder=self,
+      features=tfds.features.FeaturesDict(
+        {
+          "book_id": np.int32,
+          "book_link": tfds.features.Text(),
+          "book_text": tfds.features.Text(),
+          "book_title": tfds.features.Text(),
+          "publication_date": tfds.features.Text(),
+        }
+      ),
+    )
 
   def _split_generators(self, dl_manager):
-    return {"train": self._generate_examples(0, 6),
-            "validation": self._generate_examples(6, 8)}
+    return {"train": self._generate_examples(0, 6), "validation": self._generate_examples(6, 8)}
 
   def _generate_examples(self, lo, hi):
     for i in range(lo, hi):
       text = f"BOOK {i}. " + " ".join(["It was a dark and stormy night."] * (20 + 10 * i))
-      yield i, {"book_id": i, "book_link": f"http://x/{i}", "book_text": text,
-                "book_title": f"Book {i}", "publication_date": "1900"}
+      yield (
+        i,
+        {
+          "book_id": i,
+          "book_link": f"http://x/{i}",
+          "book_text": text,
+          "book_title": f"Book {i}",
+          "publication_date": "1900",
+        },
+      )
 
 
 @pytest.fixture(scope="module")
 def tiny_pg19_dir(tmp_path_factory):
   data_dir = str(tmp_path_factory.mktemp("tfds"))
   TinyPg19(data_dir=data_dir, file_format="array_record").download_and_prepare(
-      download_config=tfds.download.DownloadConfig(
-          compute_stats=tfds.download.ComputeStatsMode.SKIP))
+    download_config=tfds.download.DownloadConfig(compute_stats=tfds.download.ComputeStatsMode.SKIP)
+  )
   return data_dir
 
 
 def test_pg19_shaped_dataset_through_the_tfds_reader(tiny_pg19_dir):
-  src = sources.open_tfds("tiny_pg19", split="validation", feature="book_text",
-                          data_dir=tiny_pg19_dir)
+  src = sources.open_tfds(
+    "tiny_pg19", split="validation", feature="book_text", data_dir=tiny_pg19_dir
+  )
   assert len(src) == 2 and {src[i][:6] for i in range(2)} == {b"BOOK 6", b"BOOK 7"}
-  config = DataConfig(sources=("tfds", "copy"), tfds_name="tiny_pg19",
-                      tfds_feature="book_text", tfds_data_dir=tiny_pg19_dir,
-                      num_packing_bins=8, window_shuffle_size=4)
-  it = make_iterator(config, batch_size=4, seq_len=256, seed=0,
-                     process_index=0, process_count=1)
+  config = DataConfig(
+    sources=("tfds", "copy"),
+    tfds_name="tiny_pg19",
+    tfds_feature="book_text",
+    tfds_data_dir=tiny_pg19_dir,
+    num_packing_bins=8,
+    window_shuffle_size=4,
+  )
+  it = make_iterator(config, batch_size=4, seq_len=256, seed=0, process_index=0, process_count=1)
   tok = ByteTokenizer()
   text = "".join(tok.decode(next(it)["inputs"].reshape(-1)) for _ in range(6))
   assert "BOOK " in text and "dark and stormy" in text and "copy: " in text
@@ -106,7 +127,13 @@ def test_default_corpus_prepares_offline(default_cache):
 
 def test_default_config_first_fit_fill_ratio(default_cache):
   """The issue's packing target on the default config (byte, first-fit, 1024)."""
-  it = make_iterator(DataConfig(data_dir=default_cache), batch_size=8, seq_len=1024,
-                     seed=0, process_index=0, process_count=1)
+  it = make_iterator(
+    DataConfig(data_dir=default_cache),
+    batch_size=8,
+    seq_len=1024,
+    seed=0,
+    process_index=0,
+    process_count=1,
+  )
   seg = np.stack([next(it)["segment_ids"] for _ in range(100)])  # 800 rows
   assert (seg > 0).mean() >= 0.98

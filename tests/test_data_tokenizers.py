@@ -1,4 +1,5 @@
 """Tokenizers: byte ids, special ids, invalid UTF-8, SentencePiece training."""
+
 import os
 import subprocess
 import sys
@@ -53,9 +54,16 @@ def test_train_and_load_sentencepiece(tmp_path):
     (docs / f"d{i}.txt").write_text("\n".join(lines))
   prefix = tmp_path / "spm"
   subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts/train_sentencepiece.py"),
-       f"--output_prefix={prefix}", f"--text_glob={docs}", "--vocab_size=300"],
-      check=True, timeout=120)
+    [
+      sys.executable,
+      os.path.join(ROOT, "scripts/train_sentencepiece.py"),
+      f"--output_prefix={prefix}",
+      f"--text_glob={docs}",
+      "--vocab_size=300",
+    ],
+    check=True,
+    timeout=120,
+  )
   tok = make_tokenizer("sentencepiece", f"{prefix}.model")
   assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 300)
   text = "def alpha(self):\n    return gamma  ünïcode"
@@ -67,20 +75,35 @@ def test_train_and_load_sentencepiece(tmp_path):
 
 def test_sentencepiece_through_the_pipeline(tmp_path):
   from lctx.data.pipeline import DataConfig, make_iterator
+
   docs = tmp_path / "docs"
   docs.mkdir()
   for i in range(4):
     (docs / f"d{i}.txt").write_text(f"doc {i}: " + "the quick brown fox jumps. " * (30 + 20 * i))
   prefix = tmp_path / "spm"
   subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts/train_sentencepiece.py"),
-       f"--output_prefix={prefix}", f"--text_glob={docs}", "--vocab_size=320"],
-      check=True, timeout=120)
-  config = DataConfig(text_glob=str(docs), data_dir=str(tmp_path / "cache"),
-                      tokenizer="sentencepiece", tokenizer_model_path=f"{prefix}.model",
-                      num_packing_bins=4, window_shuffle_size=1, validation_fraction=0.3)
-  batch = next(make_iterator(config, batch_size=2, seq_len=128, seed=0,
-                             process_index=0, process_count=1))
+    [
+      sys.executable,
+      os.path.join(ROOT, "scripts/train_sentencepiece.py"),
+      f"--output_prefix={prefix}",
+      f"--text_glob={docs}",
+      "--vocab_size=320",
+    ],
+    check=True,
+    timeout=120,
+  )
+  config = DataConfig(
+    text_glob=str(docs),
+    data_dir=str(tmp_path / "cache"),
+    tokenizer="sentencepiece",
+    tokenizer_model_path=f"{prefix}.model",
+    num_packing_bins=4,
+    window_shuffle_size=1,
+    validation_fraction=0.3,
+  )
+  batch = next(
+    make_iterator(config, batch_size=2, seq_len=128, seed=0, process_index=0, process_count=1)
+  )
   tok = make_tokenizer("sentencepiece", f"{prefix}.model")
   assert batch["inputs"].max() < tok.vocab_size
   assert "quick brown fox" in tok.decode(batch["inputs"][0])

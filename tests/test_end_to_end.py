@@ -1,4 +1,5 @@
 """Data pipeline -> context-parallel model: packed documents stay independent."""
+
 import numpy as np
 
 from lctx import models
@@ -9,9 +10,15 @@ from lctx.trainer import TrainConfig, Trainer
 
 def test_changing_one_packed_document_leaves_the_others_unchanged():
   seq = 256
-  it = make_iterator(DataConfig(sources=("text", "copy"), copy_max_key_len=16),
-                     split="validation", batch_size=2, seq_len=seq, seed=3,
-                     process_index=0, process_count=1)
+  it = make_iterator(
+    DataConfig(sources=("text", "copy"), copy_max_key_len=16),
+    split="validation",
+    batch_size=2,
+    seq_len=seq,
+    seed=3,
+    process_index=0,
+    process_count=1,
+  )
   for _ in range(20):  # the first batch whose row 0 packs several documents
     batch = next(it)
     seg = batch["segment_ids"][0]
@@ -21,13 +28,20 @@ def test_changing_one_packed_document_leaves_the_others_unchanged():
   assert len(docs) >= 2, "need a row that packs at least two documents"
   target = docs[len(docs) // 2]
 
-  model = models.ModelConfig(vocab_size=384, d_model=32, num_layers=2,
-                             num_heads=4, num_kv_heads=2, head_dim=8,
-                             mlp_dim=64)
-  trainer = Trainer(model, TrainConfig(
-      batch_size=2, seq_len=seq, context_parallel_strategy="ring",
-      attention_block_q=32, attention_block_kv=32),
-                    mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, context=4)))
+  model = models.ModelConfig(
+    vocab_size=384, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
+  )
+  trainer = Trainer(
+    model,
+    TrainConfig(
+      batch_size=2,
+      seq_len=seq,
+      context_parallel_strategy="ring",
+      attention_block_q=32,
+      attention_block_kv=32,
+    ),
+    mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, context=4)),
+  )
   assert trainer.load_balance  # the zigzag path is exercised too
   logits_fn = trainer.logits_fn(trainer.init_state(0))
 

@@ -1,4 +1,5 @@
 """Retrieval tasks as data-mixture sources."""
+
 import numpy as np
 import pytest
 
@@ -12,8 +13,9 @@ mixture.register_retrieval_sources()
 @pytest.mark.parametrize("task", ["passkey", "niah_single"])
 def test_retrieval_source_rows_carry_loss_only_on_the_answer(task):
   cfg = data_lib.DataConfig(sources=(f"retrieval_{task}",))
-  it = data_lib.make_iterator(cfg, split="train", batch_size=2, seq_len=512,
-                              seed=0, process_index=0, process_count=1)
+  it = data_lib.make_iterator(
+    cfg, split="train", batch_size=2, seq_len=512, seed=0, process_index=0, process_count=1
+  )
   batch = next(it)
   tok = data_lib.ByteTokenizer()
   checked = 0
@@ -28,9 +30,11 @@ def test_retrieval_source_rows_carry_loss_only_on_the_answer(task):
       assert answer in tok.decode(inputs[: np.argmax(mask)])
       checked += 1
   assert checked >= 2
-  again = next(data_lib.make_iterator(cfg, split="train", batch_size=2,
-                                      seq_len=512, seed=0, process_index=0,
-                                      process_count=1))
+  again = next(
+    data_lib.make_iterator(
+      cfg, split="train", batch_size=2, seq_len=512, seed=0, process_index=0, process_count=1
+    )
+  )
   np.testing.assert_array_equal(again["inputs"], batch["inputs"])
 
 

@@ -5,31 +5,40 @@ fake CPU devices (same strategy, same axes used) and one train step is lowered
 on abstract inputs, which checks shapes, shardings and strategy validation
 without allocating the model.
 """
+
 import glob
 import os
 
-import gin
 import pytest
 
+import gin
 from lctx import configs, gin_utils
 from lctx import train as train_lib
-from lctx.trainer import Trainer
 from lctx.parallel import mesh as mesh_lib
+from lctx.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = sorted(
-    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "gin", "*.gin"))
-    + glob.glob(os.path.join(ROOT, "gin", "bench", "*.gin")))
-LOCAL = {"gin/local_cpu.gin", "gin/bench/maxtext_cpu_peer.gin",
-         "gin/local_cpu_retrieval.gin", "gin/local_cpu_retrieval_windowed.gin"}
+  os.path.relpath(p, ROOT)
+  for p in glob.glob(os.path.join(ROOT, "gin", "*.gin"))
+  + glob.glob(os.path.join(ROOT, "gin", "bench", "*.gin"))
+)
+LOCAL = {
+  "gin/local_cpu.gin",
+  "gin/bench/maxtext_cpu_peer.gin",
+  "gin/local_cpu_retrieval.gin",
+  "gin/local_cpu_retrieval_windowed.gin",
+}
 # Mesh shrunk to 8 devices, keeping every axis the strategy uses above 1.
 SHRUNK_MESH = {
-    "gin/usp_ironwood.gin": ["MeshConfig.context = 2",
-                             "MeshConfig.context_ulysses = 2",
-                             "MeshConfig.tensor = 2"],
-    "gin/ring_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
-    "gin/allgather_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
-    "gin/ulysses_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
+  "gin/usp_ironwood.gin": [
+    "MeshConfig.context = 2",
+    "MeshConfig.context_ulysses = 2",
+    "MeshConfig.tensor = 2",
+  ],
+  "gin/ring_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
+  "gin/allgather_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
+  "gin/ulysses_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
 }
 
 
@@ -43,7 +52,8 @@ def _build(path, params=()):
 
 def test_every_experiment_is_covered():
   assert set(EXPERIMENTS) <= LOCAL | set(SHRUNK_MESH), (
-      "a new gin file needs a row in LOCAL or SHRUNK_MESH")
+    "a new gin file needs a row in LOCAL or SHRUNK_MESH"
+  )
   for path in EXPERIMENTS:
     with open(os.path.join(ROOT, path)) as f:
       head = f.read(2000)
@@ -64,11 +74,18 @@ def test_hardware_config_lowers_one_step(path):
 
 @pytest.mark.parametrize("path", sorted(p for p in EXPERIMENTS if p in LOCAL))
 def test_local_config_trains_one_step(path, tmp_path):
-  exp = _build(path, ["TrainConfig.steps = 1", "TrainConfig.log_every = 1",
-                      "TrainConfig.checkpoint_every = 0",
-                      "TrainConfig.eval_every = 0",
-                      "TrainConfig.retrieval_eval_every = 0"])
-  exp = train_lib.Experiment(model=exp.model, data=exp.data, train=exp.train,
-                             mesh=exp.mesh, evals=None)
+  exp = _build(
+    path,
+    [
+      "TrainConfig.steps = 1",
+      "TrainConfig.log_every = 1",
+      "TrainConfig.checkpoint_every = 0",
+      "TrainConfig.eval_every = 0",
+      "TrainConfig.retrieval_eval_every = 0",
+    ],
+  )
+  exp = train_lib.Experiment(
+    model=exp.model, data=exp.data, train=exp.train, mesh=exp.mesh, evals=None
+  )
   train_lib.run("train", str(tmp_path), exp)
   assert os.path.exists(tmp_path / "metrics.jsonl")

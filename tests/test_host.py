@@ -1,4 +1,5 @@
 """lctx.host: glibc keeps freed memory, so a re-allocation does not page-fault."""
+
 import ctypes.util
 import subprocess
 import sys
@@ -24,14 +25,16 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
 
 
 def _faults(mode):
-  out = subprocess.run([sys.executable, "-c", _PROBE, mode], check=True,
-                       capture_output=True, text=True)
+  out = subprocess.run(
+    [sys.executable, "-c", _PROBE, mode], check=True, capture_output=True, text=True
+  )
   return int(out.stdout.split()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or
-                    "libc.so" not in (ctypes.util.find_library("c") or ""),
-                    reason="glibc only")
+@pytest.mark.skipif(
+  not sys.platform.startswith("linux") or "libc.so" not in (ctypes.util.find_library("c") or ""),
+  reason="glibc only",
+)
 def test_keep_freed_memory_stops_refaulting_large_buffers():
   default = _faults("default")
   if default < 4000:  # e.g. transparent huge pages: nothing to remove

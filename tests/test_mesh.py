@@ -1,4 +1,5 @@
 """Mesh building and its error messages."""
+
 import jax
 import pytest
 
@@ -7,8 +8,7 @@ from lctx.parallel import mesh as mesh_lib
 
 def test_fills_the_one_minus_one_axis():
   shape = mesh_lib.resolve_mesh_shape(mesh_lib.MeshConfig(data=2, context=-1), 8)
-  assert shape == {"data": 2, "fsdp": 1, "tensor": 1, "context": 4,
-                   "context_ulysses": 1}
+  assert shape == {"data": 2, "fsdp": 1, "tensor": 1, "context": 4, "context_ulysses": 1}
 
 
 def test_dcn_multiplies_ici():
@@ -40,8 +40,13 @@ def test_bad_size_is_an_error():
 def test_make_mesh_names_and_shape():
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, tensor=2, context=-1))
   assert mesh.axis_names == mesh_lib.MESH_AXES
-  assert mesh_lib.mesh_shape(mesh) == {"data": 2, "fsdp": 1, "tensor": 2,
-                                       "context": 2, "context_ulysses": 1}
+  assert mesh_lib.mesh_shape(mesh) == {
+    "data": 2,
+    "fsdp": 1,
+    "tensor": 2,
+    "context": 2,
+    "context_ulysses": 1,
+  }
   assert mesh.devices.size == jax.device_count() == 8
 
 

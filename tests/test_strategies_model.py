@@ -1,5 +1,6 @@
 """A whole-model loss and gradient step under each context-parallel strategy
 equals the single-device model with plain reference attention."""
+
 import jax
 import numpy as np
 import pytest
@@ -9,11 +10,21 @@ from lctx.kernels import chunked_cross_entropy
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
-MODEL = models.ModelConfig(vocab_size=64, d_model=32, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
-MLA = models.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
-                         attention="mla", kv_lora_rank=16, qk_nope_head_dim=8,
-                         qk_rope_head_dim=4, v_head_dim=8, mlp_dim=64)
+MODEL = models.ModelConfig(
+  vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
+)
+MLA = models.ModelConfig(
+  vocab_size=64,
+  d_model=32,
+  num_layers=2,
+  num_heads=4,
+  attention="mla",
+  kv_lora_rank=16,
+  qk_nope_head_dim=8,
+  qk_rope_head_dim=4,
+  v_head_dim=8,
+  mlp_dim=64,
+)
 B, T = 4, 64
 
 
@@ -22,40 +33,50 @@ def _batch(seed=0):
   tokens = rng.integers(3, MODEL.vocab_size, (B, T + 1), dtype=np.int32)
   # Two documents per row, the second ending in padding.
   seg = np.ones((B, T), np.int32)
-  seg[:, T // 3:] = 2
+  seg[:, T // 3 :] = 2
   seg[:, -5:] = 0
   pos = np.zeros((B, T), np.int32)
   for s in (1, 2):
     idx = np.where(seg[0] == s)[0]
     pos[:, idx] = np.arange(len(idx))
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-          "segment_ids": seg, "positions": pos,
-          "loss_mask": (seg > 0).astype(np.float32)}
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": seg,
+    "positions": pos,
+    "loss_mask": (seg > 0).astype(np.float32),
+  }
 
 
 def _reference(model_cfg, params, batch):
   model = models.Transformer(model_cfg, models.reference_attention_fn)
 
   def loss(p):
-    hidden = model.apply({"params": p}, batch["inputs"], batch["positions"],
-                         batch["segment_ids"], return_hidden=True)
-    s, _, w = chunked_cross_entropy(hidden, models.unembed_matrix(p, model_cfg),
-                                    batch["targets"], batch["loss_mask"],
-                                    chunk_size=None)
+    hidden = model.apply(
+      {"params": p}, batch["inputs"], batch["positions"], batch["segment_ids"], return_hidden=True
+    )
+    s, _, w = chunked_cross_entropy(
+      hidden,
+      models.unembed_matrix(p, model_cfg),
+      batch["targets"],
+      batch["loss_mask"],
+      chunk_size=None,
+    )
     return s / w
+
   return jax.value_and_grad(loss)(params)
 
 
 SLOW = pytest.mark.slow
 # One case per strategy in the default run; the other meshes under -m slow.
 CASES = [
-    ("all_gather", MODEL, dict(context=8)),
-    pytest.param("all_gather", MODEL, dict(data=2, context=4), marks=SLOW),
-    ("ulysses", MODEL, dict(context=2, data=2, fsdp=2)),
-    ("ring", MODEL, dict(data=2, context=4)),
-    pytest.param("ring", MODEL, dict(tensor=2, context=4), marks=SLOW),
-    pytest.param("ring", MLA, dict(data=2, context=4), marks=SLOW),
-    ("usp", MODEL, dict(context=2, context_ulysses=2, data=2)),
+  ("all_gather", MODEL, dict(context=8)),
+  pytest.param("all_gather", MODEL, dict(data=2, context=4), marks=SLOW),
+  ("ulysses", MODEL, dict(context=2, data=2, fsdp=2)),
+  ("ring", MODEL, dict(data=2, context=4)),
+  pytest.param("ring", MODEL, dict(tensor=2, context=4), marks=SLOW),
+  pytest.param("ring", MLA, dict(data=2, context=4), marks=SLOW),
+  ("usp", MODEL, dict(context=2, context_ulysses=2, data=2)),
 ]
 
 
@@ -64,13 +85,20 @@ def _case_id(case):
   return f"{strategy}-{cfg.attention}-" + "x".join(f"{k}{v}" for k, v in mesh.items())
 
 
-@pytest.mark.parametrize("strategy,model_cfg,mesh_kw", CASES,
-                         ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("strategy,model_cfg,mesh_kw", CASES, ids=[_case_id(c) for c in CASES])
 def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw):
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(**{"context": 1, **mesh_kw}))
-  trainer = Trainer(model_cfg, TrainConfig(
-      batch_size=B, seq_len=T, context_parallel_strategy=strategy,
-      attention_block_q=8, attention_block_kv=8), mesh)
+  trainer = Trainer(
+    model_cfg,
+    TrainConfig(
+      batch_size=B,
+      seq_len=T,
+      context_parallel_strategy=strategy,
+      attention_block_q=8,
+      attention_block_kv=8,
+    ),
+    mesh,
+  )
   state = trainer.init_state(0)
   params = jax.device_get(state["params"])
   batch = _batch()
@@ -82,9 +110,12 @@ def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw):
     run_batch = {k: parallel.zigzag_reorder(v, ring) for k, v in batch.items()}
   dev = trainer.device_batch(run_batch)
   with trainer._context():  # pylint: disable=protected-access
-    (got_loss, _), got_grads = jax.jit(jax.value_and_grad(
-        trainer.loss_fn, has_aux=True))(state["params"], dev)
+    (got_loss, _), got_grads = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))(
+      state["params"], dev
+    )
   np.testing.assert_allclose(got_loss, want_loss, rtol=2e-5)
-  jax.tree.map(lambda g, w: np.testing.assert_allclose(
-      np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5), got_grads,
-               want_grads)
+  jax.tree.map(
+    lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5),
+    got_grads,
+    want_grads,
+  )

@@ -1,11 +1,12 @@
 """The train loop end to end: metrics, checkpoints, exact resume, error paths."""
+
 import json
 import os
 
-import gin
 import numpy as np
 import pytest
 
+import gin
 from lctx import checkpoint as ckpt_lib
 from lctx import configs, gin_utils, models  # noqa: F401  (configs registers the gin names)
 from lctx import train as train_lib
@@ -14,20 +15,32 @@ from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = models.ModelConfig(vocab_size=384, d_model=32, num_layers=2,
-                          num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+TINY = models.ModelConfig(
+  vocab_size=384, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
+)
 
 
 def _experiment(**train_overrides):
-  train = dict(batch_size=4, seq_len=64, steps=6, log_every=1,
-               checkpoint_every=3, async_checkpoint=False, warmup_steps=2,
-               context_parallel_strategy="ring", attention_block_q=16,
-               attention_block_kv=16, eval_batches=1)
+  train = dict(
+    batch_size=4,
+    seq_len=64,
+    steps=6,
+    log_every=1,
+    checkpoint_every=3,
+    async_checkpoint=False,
+    warmup_steps=2,
+    context_parallel_strategy="ring",
+    attention_block_q=16,
+    attention_block_kv=16,
+    eval_batches=1,
+  )
   train.update(train_overrides)
   return train_lib.Experiment(
-      model=TINY, data=DataConfig(sources=("copy",), copy_max_key_len=16),
-      train=TrainConfig(**train),
-      mesh=mesh_lib.MeshConfig(data=2, context=4))
+    model=TINY,
+    data=DataConfig(sources=("copy",), copy_max_key_len=16),
+    train=TrainConfig(**train),
+    mesh=mesh_lib.MeshConfig(data=2, context=4),
+  )
 
 
 def _metrics(workdir):
@@ -44,15 +57,22 @@ def test_train_writes_metrics_and_checkpoints_and_resumes_exactly(tmp_path):
 
   records = _metrics(full)
   assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-  for key in ("loss", "tokens_per_sec", "mfu", "grad_norm", "learning_rate",
-              "tflops_per_device", "memory/temp_bytes"):
+  for key in (
+    "loss",
+    "tokens_per_sec",
+    "mfu",
+    "grad_norm",
+    "learning_rate",
+    "tflops_per_device",
+    "memory/temp_bytes",
+  ):
     assert key in records[0], key
   assert all(r["tokens_per_sec"] > 0 and r["mfu"] > 0 for r in records)
   resumed = {r["step"]: r["loss"] for r in _metrics(part)}
-  np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)],
-                             [r["loss"] for r in records[3:]], rtol=1e-5)
-  steps = sorted(int(d) for d in os.listdir(os.path.join(full, "checkpoints"))
-                 if d.isdigit())
+  np.testing.assert_allclose(
+    [resumed[s] for s in (4, 5, 6)], [r["loss"] for r in records[3:]], rtol=1e-5
+  )
+  steps = sorted(int(d) for d in os.listdir(os.path.join(full, "checkpoints")) if d.isdigit())
   assert steps == [3, 6]
 
 
@@ -61,10 +81,14 @@ def test_resume_with_a_different_model_names_the_mismatch(tmp_path):
   train_lib.run("train", workdir, _experiment(steps=1, checkpoint_every=1))
   other = _experiment(steps=2)
   other = train_lib.Experiment(
-      model=models.ModelConfig(**{**TINY.__dict__, "mlp_dim": 96}),
-      data=other.data, train=other.train, mesh=other.mesh)
-  with pytest.raises(ckpt_lib.CheckpointMismatchError,
-                     match=r"model\.mlp_dim: checkpoint has 64, config has 96"):
+    model=models.ModelConfig(**{**TINY.__dict__, "mlp_dim": 96}),
+    data=other.data,
+    train=other.train,
+    mesh=other.mesh,
+  )
+  with pytest.raises(
+    ckpt_lib.CheckpointMismatchError, match=r"model\.mlp_dim: checkpoint has 64, config has 96"
+  ):
     train_lib.run("train", workdir, other)
   # Nothing already written is lost.
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "1"))
@@ -76,8 +100,7 @@ def test_eval_mode_without_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_loss_falls_on_the_copy_task(tmp_path):
-  exp = _experiment(steps=30, checkpoint_every=0, learning_rate=1e-2,
-                    log_every=5)
+  exp = _experiment(steps=30, checkpoint_every=0, learning_rate=1e-2, log_every=5)
   train_lib.run("train", str(tmp_path), exp)
   losses = [r["loss"] for r in _metrics(str(tmp_path))]
   assert losses[-1] < 0.7 * losses[0], losses
@@ -85,20 +108,28 @@ def test_loss_falls_on_the_copy_task(tmp_path):
 
 def test_batch_not_divisible_by_data_axes_is_an_error():
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, context=2))
-  with pytest.raises(ValueError, match=r"batch_size=6 is not divisible by the "
-                     r"batch sharding data x fsdp = 4"):
-    Trainer(TINY, TrainConfig(batch_size=6, seq_len=64,
-                              context_parallel_strategy="all_gather"), mesh)
+  with pytest.raises(
+    ValueError,
+    match=r"batch_size=6 is not divisible by the "
+    r"batch sharding data x fsdp = 4",
+  ):
+    Trainer(
+      TINY, TrainConfig(batch_size=6, seq_len=64, context_parallel_strategy="all_gather"), mesh
+    )
 
 
-@pytest.mark.parametrize("field, value, message", [
+@pytest.mark.parametrize(
+  "field, value, message",
+  [
     ("cpu_vector_width", 300, "cpu_vector_width must be None, 128, 256 or 512"),
     ("attention_block_q_bwd", 0, "attention_block_q_bwd must be None or a positive"),
-])
+  ],
+)
 def test_bad_cpu_and_block_settings_are_errors(field, value, message):
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, context=2))
-  cfg = TrainConfig(batch_size=4, seq_len=64, context_parallel_strategy="all_gather",
-                    **{field: value})
+  cfg = TrainConfig(
+    batch_size=4, seq_len=64, context_parallel_strategy="all_gather", **{field: value}
+  )
   with pytest.raises(ValueError, match=message):
     Trainer(TINY, cfg, mesh)
 
@@ -107,9 +138,9 @@ def test_cpu_vector_width_reaches_the_compiled_steps():
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, context=2))
   base = dict(batch_size=4, seq_len=64, context_parallel_strategy="all_gather")
   assert Trainer(TINY, TrainConfig(**base), mesh).compiler_options == {
-      "xla_cpu_prefer_vector_width": 512}
-  assert Trainer(TINY, TrainConfig(cpu_vector_width=None, **base),
-                 mesh).compiler_options == {}
+    "xla_cpu_prefer_vector_width": 512
+  }
+  assert Trainer(TINY, TrainConfig(cpu_vector_width=None, **base), mesh).compiler_options == {}
 
 
 def test_unknown_gin_binding_is_an_error():
@@ -125,26 +156,36 @@ def test_unknown_gin_binding_is_an_error():
 def test_local_devices_macro_is_read_before_jax():
   n = gin_utils.local_devices_macro(["gin/local_cpu.gin"], [ROOT])
   assert n == 8
-  assert gin_utils.local_devices_macro(
-      ["gin/local_cpu.gin"], [ROOT], ["LOCAL_DEVICES = 4"]) == 4
+  assert gin_utils.local_devices_macro(["gin/local_cpu.gin"], [ROOT], ["LOCAL_DEVICES = 4"]) == 4
 
 
 def test_in_loop_retrieval_evals_class_cells_of_a_windowed_model(tmp_path):
   from lctx.evals import EvalConfig  # pylint: disable=g-import-not-at-top
+
   exp = _experiment(steps=2, checkpoint_every=0, retrieval_eval_every=2)
   exp = train_lib.Experiment(
-      model=models.ModelConfig(**{**TINY.__dict__, "attention_pattern": (16,)}),
-      data=exp.data, train=exp.train, mesh=exp.mesh,
-      evals=EvalConfig(tasks=("passkey",), lengths=(128,), depths=(0.0, 1.0),
-                       samples_per_cell=1, batch_size=4, length_multiple=8,
-                       window=0))
+    model=models.ModelConfig(**{**TINY.__dict__, "attention_pattern": (16,)}),
+    data=exp.data,
+    train=exp.train,
+    mesh=exp.mesh,
+    evals=EvalConfig(
+      tasks=("passkey",),
+      lengths=(128,),
+      depths=(0.0, 1.0),
+      samples_per_cell=1,
+      batch_size=4,
+      length_multiple=8,
+      window=0,
+    ),
+  )
   train_lib.run("train", str(tmp_path), exp)
   with open(tmp_path / "evals" / "retrieval.json") as f:
     records = json.load(f)
   # Two layers of window 16 reach 2 x 15 tokens back; the depth-0 needle ends
   # ~60 tokens before the answer, so no path reaches it.
   assert {r["receptive_field"] for r in records} == {30}
-  main = {r["depth"]: r["reach_class"] for r in records
-          if not r["needle_removed"] and not r["held_out"]}
+  main = {
+    r["depth"]: r["reach_class"] for r in records if not r["needle_removed"] and not r["held_out"]
+  }
   assert main[0.0] == "beyond"
   assert any("eval/passkey/acc_beyond" in r for r in _metrics(str(tmp_path)))

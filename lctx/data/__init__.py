@@ -11,17 +11,26 @@ Public entry points (see each docstring):
 Names resolve lazily, so `from lctx.data import make_tokenizer` does not import
 tensorflow_datasets or grain (the evals and tests that only tokenize stay fast).
 """
+
 import importlib
 
 _EXPORTS = {
-    "ByteTokenizer": "tokenizers", "SentencePieceTokenizer": "tokenizers",
-    "Tokenizer": "tokenizers", "make_tokenizer": "tokenizers",
-    "default_data_dir": "sources", "open_text_corpus": "sources",
-    "open_tfds": "sources", "prepare_text_corpus": "sources",
-    "DataConfig": "pipeline", "make_dataset": "pipeline", "make_iterator": "pipeline",
-    "make_tokenizer_for": "pipeline", "load_documents": "pipeline",
-    "register_task_source": "pipeline", "task_source_names": "pipeline",
-    "inspect_data": "inspect",
+  "ByteTokenizer": "tokenizers",
+  "SentencePieceTokenizer": "tokenizers",
+  "Tokenizer": "tokenizers",
+  "make_tokenizer": "tokenizers",
+  "default_data_dir": "sources",
+  "open_text_corpus": "sources",
+  "open_tfds": "sources",
+  "prepare_text_corpus": "sources",
+  "DataConfig": "pipeline",
+  "make_dataset": "pipeline",
+  "make_iterator": "pipeline",
+  "make_tokenizer_for": "pipeline",
+  "load_documents": "pipeline",
+  "register_task_source": "pipeline",
+  "task_source_names": "pipeline",
+  "inspect_data": "inspect",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -6,13 +6,14 @@ plus the `pydoc_data.topics` help pages. Documents are yielded in a sorted,
 machine-independent order with a stable key, so a split assignment by key hash
 is the same everywhere.
 """
+
 from __future__ import annotations
 
 import glob as glob_lib
 import hashlib
 import os
 import sysconfig
-from typing import Iterator
+from collections.abc import Iterator
 
 DEFAULT_CORPUS = "stdlib"
 
@@ -38,8 +39,7 @@ def expand_glob(pattern: str) -> list[str]:
   pattern = os.path.expanduser(pattern)
   if os.path.isdir(pattern):
     pattern = os.path.join(pattern, "**", "*")
-  return sorted(p for p in glob_lib.glob(pattern, recursive=True)
-                if os.path.isfile(p))
+  return sorted(p for p in glob_lib.glob(pattern, recursive=True) if os.path.isfile(p))
 
 
 def corpus_fingerprint(text_glob: str | None) -> str:
@@ -62,19 +62,23 @@ def list_documents(text_glob: str | None = None) -> list[str]:
   """
   if text_glob in (None, DEFAULT_CORPUS):
     root = stdlib_dir()
-    keys = [os.path.relpath(f, root) for f in _stdlib_files()
-            if os.path.getsize(f) > 0]
+    keys = [os.path.relpath(f, root) for f in _stdlib_files() if os.path.getsize(f) > 0]
     import pydoc_data.topics  # pylint: disable=g-import-not-at-top
-    keys += [f"{_TOPICS}/{name}" for name in sorted(pydoc_data.topics.topics)
-             if pydoc_data.topics.topics[name]]
+
+    keys += [
+      f"{_TOPICS}/{name}"
+      for name in sorted(pydoc_data.topics.topics)
+      if pydoc_data.topics.topics[name]
+    ]
   else:
     keys = [f for f in expand_glob(text_glob) if os.path.getsize(f) > 0]
   if not keys:
     raise ValueError(
-        f"text corpus {text_glob!r} is missing or empty: no non-empty file "
-        "matches it. Pass a directory or glob of text files (e.g. "
-        "text_glob='/data/books/*.txt'), or text_glob='stdlib' for the "
-        "embedded default corpus.")
+      f"text corpus {text_glob!r} is missing or empty: no non-empty file "
+      "matches it. Pass a directory or glob of text files (e.g. "
+      "text_glob='/data/books/*.txt'), or text_glob='stdlib' for the "
+      "embedded default corpus."
+    )
   return keys
 
 
@@ -86,8 +90,8 @@ def read_document(key: str, text_glob: str | None = None) -> bytes:
   if text_glob in (None, DEFAULT_CORPUS):
     if key.startswith(_TOPICS + "/"):
       import pydoc_data.topics  # pylint: disable=g-import-not-at-top
-      return pydoc_data.topics.topics[key[len(_TOPICS) + 1:]].encode(
-          "utf-8", "surrogatepass")
+
+      return pydoc_data.topics.topics[key[len(_TOPICS) + 1 :]].encode("utf-8", "surrogatepass")
     key = os.path.join(stdlib_dir(), key)
   with open(key, "rb") as f:
     return f.read()
@@ -99,8 +103,7 @@ def iter_documents(text_glob: str | None = None) -> Iterator[tuple[str, bytes]]:
     yield key, read_document(key, text_glob)
 
 
-def split_keys(keys: list[str], validation_fraction: float
-               ) -> tuple[list[str], list[str]]:
+def split_keys(keys: list[str], validation_fraction: float) -> tuple[list[str], list[str]]:
   """(train, validation) by a stable hash of each key, never an empty split
   when there are >= 2 documents (tiny corpora in tests still get both)."""
   val = [k for k in keys if is_validation(k, validation_fraction)]

@@ -1,4 +1,5 @@
 """Packing report for `main.py --mode=inspect_data`: what the model will see."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,7 @@ def _percentiles(values) -> str:
     return "n=0"
   v = np.asarray(values)
   p = np.percentile(v, [0, 10, 50, 90, 100]).round().astype(int)
-  return (f"n={len(v)} mean={v.mean():.0f} min={p[0]} p10={p[1]} p50={p[2]} "
-          f"p90={p[3]} max={p[4]}")
+  return f"n={len(v)} mean={v.mean():.0f} min={p[0]} p10={p[1]} p50={p[2]} p90={p[3]} max={p[4]}"
 
 
 def _segments(segment_ids_row: np.ndarray) -> list[tuple[int, int, int]]:
@@ -29,8 +29,9 @@ def _segments(segment_ids_row: np.ndarray) -> list[tuple[int, int, int]]:
   return out
 
 
-def document_lengths(config: pipeline.DataConfig, *, split: str = "train",
-                     max_docs: int = 200) -> dict[str, list[int]]:
+def document_lengths(
+  config: pipeline.DataConfig, *, split: str = "train", max_docs: int = 200
+) -> dict[str, list[int]]:
   """Token lengths (with BOS/EOS) of up to max_docs documents per corpus source."""
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
   out = {}
@@ -39,24 +40,45 @@ def document_lengths(config: pipeline.DataConfig, *, split: str = "train",
     if source is None:
       continue
     idx = np.linspace(0, len(source) - 1, min(max_docs, len(source))).astype(int)
-    out[kind] = [len(pipeline._encode_document(source[int(i)], tokenizer,  # pylint: disable=protected-access
-                                               config.add_bos, config.add_eos)["tokens"])
-                 for i in idx]
+    out[kind] = [
+      len(
+        pipeline._encode_document(
+          source[int(i)],
+          tokenizer,  # pylint: disable=protected-access
+          config.add_bos,
+          config.add_eos,
+        )["tokens"]
+      )
+      for i in idx
+    ]
   return out
 
 
-def inspect_data(config: pipeline.DataConfig, *, num_batches: int = 3, batch_size: int,
-                 seq_len: int, seed: int | None = None, split: str = "train",
-                 show_tokens: int = 300) -> str:
+def inspect_data(
+  config: pipeline.DataConfig,
+  *,
+  num_batches: int = 3,
+  batch_size: int,
+  seq_len: int,
+  seed: int | None = None,
+  split: str = "train",
+  show_tokens: int = 300,
+) -> str:
   """Reads num_batches batches and returns a multi-line report, including
   `fill_ratio: <x>` (non-pad tokens / all tokens), documents per row, the
   lengths of document pieces in rows and of whole documents, and the decoded
   start of row 0 with '‖[seg s @pos p]' at each segment boundary."""
   config = dataclasses.replace(config, seq_len=seq_len)
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
-  it = pipeline.make_iterator(config, split=split, batch_size=batch_size,
-                              seq_len=seq_len, seed=seed, process_index=0,
-                              process_count=1)
+  it = pipeline.make_iterator(
+    config,
+    split=split,
+    batch_size=batch_size,
+    seq_len=seq_len,
+    seed=seed,
+    process_index=0,
+    process_count=1,
+  )
   batches = [next(it) for _ in range(num_batches)]
   seg = np.concatenate([b["segment_ids"] for b in batches])  # [rows, S]
   pos = np.concatenate([b["positions"] for b in batches])
@@ -65,15 +87,15 @@ def inspect_data(config: pipeline.DataConfig, *, num_batches: int = 3, batch_siz
   pieces = [end - start for r in rows for _, start, end in r]
   continued = sum(1 for i, r in enumerate(rows) for _, s, _ in r if pos[i, s] > 0)
   lines = [
-      f"sources: {', '.join(config.sources)}  packing: {config.packing}  "
-      f"tokenizer: {config.tokenizer} (vocab {tokenizer.vocab_size})  "
-      f"positions: {config.continuation_positions}",
-      f"batches: {num_batches} x [{batch_size}, {seq_len}] = {seg.size} tokens",
-      f"fill_ratio: {float((seg > 0).mean()):.4f}",
-      f"loss_mask_ratio: {float(mask.mean()):.4f}",
-      f"documents_per_row: {_percentiles([len(r) for r in rows])}",
-      f"pieces_in_rows_length: {_percentiles(pieces)}",
-      f"continuation_pieces (first position > 0): {continued} of {len(pieces)}",
+    f"sources: {', '.join(config.sources)}  packing: {config.packing}  "
+    f"tokenizer: {config.tokenizer} (vocab {tokenizer.vocab_size})  "
+    f"positions: {config.continuation_positions}",
+    f"batches: {num_batches} x [{batch_size}, {seq_len}] = {seg.size} tokens",
+    f"fill_ratio: {float((seg > 0).mean()):.4f}",
+    f"loss_mask_ratio: {float(mask.mean()):.4f}",
+    f"documents_per_row: {_percentiles([len(r) for r in rows])}",
+    f"pieces_in_rows_length: {_percentiles(pieces)}",
+    f"continuation_pieces (first position > 0): {continued} of {len(pieces)}",
   ]
   for kind, lengths in document_lengths(config, split=split).items():
     lines.append(f"document_length[{kind}] (tokens, sample): {_percentiles(lengths)}")
@@ -84,6 +106,6 @@ def inspect_data(config: pipeline.DataConfig, *, num_batches: int = 3, batch_siz
     if start >= show_tokens:
       break
     text.append(f"‖[seg {s} @pos {int(pos[0, start])}]")
-    text.append(tokenizer.decode(inputs[start:min(end, show_tokens)]))
+    text.append(tokenizer.decode(inputs[start : min(end, show_tokens)]))
   lines.append("".join(text))
   return "\n".join(lines)

@@ -15,6 +15,7 @@ turns a packed row into the contract of docs/contracts.md:
 inputs, targets, segment_ids (0 = pad, 1.. per document in the row),
 positions, loss_mask, all [seq].
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,8 +34,9 @@ class WindowDocument(grain.experimental.FlatMapTransform):
 
   def __init__(self, seq_len: int, continuation_positions: str):
     if continuation_positions not in ("absolute", "restart"):
-      raise ValueError("continuation_positions must be 'absolute' or 'restart', "
-                       f"got {continuation_positions!r}.")
+      raise ValueError(
+        f"continuation_positions must be 'absolute' or 'restart', got {continuation_positions!r}."
+      )
     self.seq_len = seq_len
     self.absolute = continuation_positions == "absolute"
     # Only a bound for grain's bookkeeping; documents longer than this many
@@ -48,12 +50,14 @@ class WindowDocument(grain.experimental.FlatMapTransform):
     for start in range(0, n, self.seq_len):
       end = min(start + self.seq_len, n)
       first = start if self.absolute else 0
-      windows.append({
+      windows.append(
+        {
           "inputs": tokens[start:end],
-          "targets": tokens[start + 1:end + 1],
+          "targets": tokens[start + 1 : end + 1],
           "positions": np.arange(first, first + end - start, dtype=np.int32),
-          "loss_mask": target_mask[start + 1:end + 1],
-      })
+          "loss_mask": target_mask[start + 1 : end + 1],
+        }
+      )
     return windows
 
 
@@ -61,8 +65,9 @@ def restart_positions(segment_ids: np.ndarray) -> np.ndarray:
   """Positions counted from each segment's first cell. [..., S] -> [..., S]; pad = 0."""
   seq = segment_ids.shape[-1]
   idx = np.broadcast_to(np.arange(seq, dtype=np.int32), segment_ids.shape)
-  prev = np.concatenate([np.full(segment_ids.shape[:-1] + (1,), -1, segment_ids.dtype),
-                         segment_ids[..., :-1]], axis=-1)
+  prev = np.concatenate(
+    [np.full(segment_ids.shape[:-1] + (1,), -1, segment_ids.dtype), segment_ids[..., :-1]], axis=-1
+  )
   starts = np.where(segment_ids != prev, idx, 0)
   positions = idx - np.maximum.accumulate(starts, axis=-1)
   return np.where(segment_ids > 0, positions, 0).astype(np.int32)
@@ -82,9 +87,9 @@ def to_batch_contract(row: dict[str, Any], *, absolute: bool) -> dict[str, np.nd
     positions = restart_positions(segment_ids)
   real = segment_ids > 0
   return {
-      "inputs": np.where(real, row["inputs"], 0).astype(np.int32),
-      "targets": np.where(real, row["targets"], 0).astype(np.int32),
-      "segment_ids": segment_ids,
-      "positions": np.where(real, positions, 0).astype(np.int32),
-      "loss_mask": np.where(real, row["loss_mask"], 0).astype(np.float32),
+    "inputs": np.where(real, row["inputs"], 0).astype(np.int32),
+    "targets": np.where(real, row["targets"], 0).astype(np.int32),
+    "segment_ids": segment_ids,
+    "positions": np.where(real, positions, 0).astype(np.int32),
+    "loss_mask": np.where(real, row["loss_mask"], 0).astype(np.float32),
   }

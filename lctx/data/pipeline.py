@@ -11,10 +11,11 @@ shuffles, per-document rngs), never from wall-clock or thread timing, so two
 runs with one seed give identical batches and a restored state continues the
 uninterrupted stream.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import grain
 import numpy as np
@@ -30,8 +31,9 @@ SOURCE_KINDS = ("text", "tfds", "copy")
 _TASK_SOURCES: dict[str, Callable[..., tuple[np.ndarray, np.ndarray]]] = {}
 
 
-def register_task_source(name: str, make_document: Callable[..., tuple[np.ndarray, np.ndarray]]
-                         ) -> None:
+def register_task_source(
+  name: str, make_document: Callable[..., tuple[np.ndarray, np.ndarray]]
+) -> None:
   """Registers a synthetic source usable in `DataConfig.sources`.
 
   make_document(index, *, seed, split, max_tokens, tokenizer) returns
@@ -46,6 +48,8 @@ def register_task_source(name: str, make_document: Callable[..., tuple[np.ndarra
 
 def task_source_names() -> tuple[str, ...]:
   return tuple(_TASK_SOURCES)
+
+
 _COPY_TASK_SIZE = 2**31 - 1  # documents per epoch of the (endless) copy task
 
 
@@ -119,30 +123,36 @@ class DataConfig:
       raise ValueError("DataConfig.sources is empty; use e.g. ('text',) or ('copy',).")
     for s in self.sources:
       if s not in SOURCE_KINDS and s not in _TASK_SOURCES:
-        raise ValueError(f"unknown data source {s!r}; expected one of "
-                         f"{SOURCE_KINDS + task_source_names()}.")
+        raise ValueError(
+          f"unknown data source {s!r}; expected one of {SOURCE_KINDS + task_source_names()}."
+        )
     if len(set(self.sources)) != len(self.sources):
       raise ValueError(f"DataConfig.sources has duplicates: {self.sources}.")
     if self.weights and len(self.weights) != len(self.sources):
-      raise ValueError(f"DataConfig.weights has {len(self.weights)} entries for "
-                       f"{len(self.sources)} sources {self.sources}.")
+      raise ValueError(
+        f"DataConfig.weights has {len(self.weights)} entries for "
+        f"{len(self.sources)} sources {self.sources}."
+      )
     if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
       raise ValueError(f"DataConfig.weights must be >= 0 with a positive sum: {self.weights}.")
     if self.packing not in ("first_fit", "concat_split"):
       raise ValueError(f"packing must be 'first_fit' or 'concat_split', got {self.packing!r}.")
     if self.continuation_positions not in ("absolute", "restart"):
-      raise ValueError("continuation_positions must be 'absolute' or 'restart', "
-                       f"got {self.continuation_positions!r}.")
+      raise ValueError(
+        "continuation_positions must be 'absolute' or 'restart', "
+        f"got {self.continuation_positions!r}."
+      )
     if self.copy_loss_on not in ("copy", "all"):
       raise ValueError(f"copy_loss_on must be 'copy' or 'all', got {self.copy_loss_on!r}.")
     if self.synthetic_ramp_documents < 0 or self.synthetic_ramp_start < 1:
-      raise ValueError("synthetic_ramp_documents must be >= 0 and synthetic_ramp_start "
-                       f">= 1, got {self.synthetic_ramp_documents} and "
-                       f"{self.synthetic_ramp_start}.")
+      raise ValueError(
+        "synthetic_ramp_documents must be >= 0 and synthetic_ramp_start "
+        f">= 1, got {self.synthetic_ramp_documents} and "
+        f"{self.synthetic_ramp_start}."
+      )
 
 
-def _encode_document(raw: bytes, tokenizer, add_bos: bool, add_eos: bool
-                     ) -> dict[str, np.ndarray]:
+def _encode_document(raw: bytes, tokenizer, add_bos: bool, add_eos: bool) -> dict[str, np.ndarray]:
   """Raw document bytes -> {'tokens' int32 [L], 'target_mask' float32 [L]}."""
   if hasattr(tokenizer, "encode_bytes"):
     body = tokenizer.encode_bytes(raw)  # exact bytes, even invalid UTF-8
@@ -160,19 +170,31 @@ def document_source(config: DataConfig, kind: str, split: str):
   for the synthetic kinds, which are generated from indices."""
   if kind == "text":
     return sources_lib.open_text_corpus(
-        config.text_glob, split=split, data_dir=config.data_dir,
-        validation_fraction=config.validation_fraction)
+      config.text_glob,
+      split=split,
+      data_dir=config.data_dir,
+      validation_fraction=config.validation_fraction,
+    )
   if kind == "tfds":
-    return sources_lib.open_tfds(config.tfds_name, split=split,
-                                 feature=config.tfds_feature,
-                                 data_dir=config.tfds_data_dir)
+    return sources_lib.open_tfds(
+      config.tfds_name, split=split, feature=config.tfds_feature, data_dir=config.tfds_data_dir
+    )
   return None
 
 
-def _source_dataset(config: DataConfig, kind: str, *, split: str, seq_len: int,
-                    seed: int, process_index: int, process_count: int,
-                    tokenizer) -> grain.IterDataset:
+def _source_dataset(
+  config: DataConfig,
+  kind: str,
+  *,
+  split: str,
+  seq_len: int,
+  seed: int,
+  process_index: int,
+  process_count: int,
+  tokenizer,
+) -> grain.IterDataset:
   """One source as a stream of windows, this process's shard only."""
+
   def cap(index: int) -> int:  # the synthetic length curriculum (DataConfig)
     n, start = config.synthetic_ramp_documents, min(config.synthetic_ramp_start, seq_len)
     if n <= 0 or index >= n:
@@ -180,12 +202,20 @@ def _source_dataset(config: DataConfig, kind: str, *, split: str, seq_len: int,
     return start + (seq_len - start) * index // n
 
   if kind == "copy":
+
     def make_copy(index: int) -> dict[str, np.ndarray]:
       tokens, mask = synthetic.copy_document(
-          index, seed=seed, split=split, max_tokens=cap(index), tokenizer=tokenizer,
-          min_key_len=config.copy_min_key_len, max_key_len=config.copy_max_key_len,
-          loss_on=config.copy_loss_on)
+        index,
+        seed=seed,
+        split=split,
+        max_tokens=cap(index),
+        tokenizer=tokenizer,
+        min_key_len=config.copy_min_key_len,
+        max_key_len=config.copy_max_key_len,
+        loss_on=config.copy_loss_on,
+      )
       return {"tokens": tokens, "target_mask": mask}
+
     ds = grain.MapDataset.range(_COPY_TASK_SIZE)
     # Shard by index first so the processes' documents are disjoint.
     ds = ds[process_index::process_count].map(make_copy)
@@ -193,32 +223,37 @@ def _source_dataset(config: DataConfig, kind: str, *, split: str, seq_len: int,
     make_document = _TASK_SOURCES[kind]
 
     def make_task(index: int) -> dict[str, np.ndarray]:
-      tokens, mask = make_document(index, seed=seed, split=split, max_tokens=cap(index),
-                                   tokenizer=tokenizer)
-      return {"tokens": np.asarray(tokens, np.int32),
-              "target_mask": np.asarray(mask, np.float32)}
+      tokens, mask = make_document(
+        index, seed=seed, split=split, max_tokens=cap(index), tokenizer=tokenizer
+      )
+      return {"tokens": np.asarray(tokens, np.int32), "target_mask": np.asarray(mask, np.float32)}
+
     ds = grain.MapDataset.range(_COPY_TASK_SIZE)[process_index::process_count]
     ds = ds.map(make_task)
   else:
     source = document_source(config, kind, split)
     if len(source) < process_count:
-      raise ValueError(f"{source!r} has {len(source)} documents, fewer than "
-                       f"process_count={process_count}: some hosts would get none.")
+      raise ValueError(
+        f"{source!r} has {len(source)} documents, fewer than "
+        f"process_count={process_count}: some hosts would get none."
+      )
     ds = grain.MapDataset.source(source)[process_index::process_count]
     # shuffle before repeat: each epoch gets its own permutation (seed + epoch).
     ds = ds.shuffle(seed=seed).repeat(config.num_epochs)
-    ds = ds.map(lambda raw: _encode_document(raw, tokenizer, config.add_bos,
-                                             config.add_eos))
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config.read_threads,
-                                            prefetch_buffer_size=64))
+    ds = ds.map(lambda raw: _encode_document(raw, tokenizer, config.add_bos, config.add_eos))
+  it = ds.to_iter_dataset(
+    grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=64)
+  )
   ds = grain.experimental.FlatMapIterDataset(
-      it, packing_lib.WindowDocument(seq_len, config.continuation_positions))
+    it, packing_lib.WindowDocument(seq_len, config.continuation_positions)
+  )
   if config.window_shuffle_size > 1:
     # A long document yields many consecutive windows; without this they fill
     # whole batches by themselves. Checkpoint state stays small (grain refills
     # the window from the parent state at restore).
     ds = grain.experimental.WindowShuffleIterDataset(
-        ds, window_size=config.window_shuffle_size, seed=seed)
+      ds, window_size=config.window_shuffle_size, seed=seed
+    )
   return ds
 
 
@@ -228,59 +263,84 @@ def packing_bins(config: DataConfig, seq_len: int) -> int:
   return min(256, max(8, 2**22 // seq_len))
 
 
-def _pack(ds: grain.IterDataset, config: DataConfig, seq_len: int, seed: int
-          ) -> grain.IterDataset:
+def _pack(ds: grain.IterDataset, config: DataConfig, seq_len: int, seed: int) -> grain.IterDataset:
   lengths = {k: seq_len for k in packing_lib.PACKED_FEATURES}
   if config.packing == "first_fit":
     return grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct=lengths, num_packing_bins=packing_bins(config, seq_len),
-        seed=seed, shuffle_bins=True,
-        # Carried along without segment ids/positions of their own.
-        meta_features=("positions", "loss_mask"))
+      ds,
+      length_struct=lengths,
+      num_packing_bins=packing_bins(config, seq_len),
+      seed=seed,
+      shuffle_bins=True,
+      # Carried along without segment ids/positions of their own.
+      meta_features=("positions", "loss_mask"),
+    )
   return grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
 
 
-def make_dataset(config: DataConfig, *, split: str = "train", batch_size: int,
-                 seq_len: int | None = None, seed: int | None = None,
-                 process_index: int | None = None, process_count: int | None = None,
-                 batch_transform: Callable[[dict], dict] | None = None
-                 ) -> grain.IterDataset:
+def make_dataset(
+  config: DataConfig,
+  *,
+  split: str = "train",
+  batch_size: int,
+  seq_len: int | None = None,
+  seed: int | None = None,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  batch_transform: Callable[[dict], dict] | None = None,
+) -> grain.IterDataset:
   """The grain IterDataset behind make_iterator (same arguments)."""
   seq_len = config.seq_len if seq_len is None else seq_len
   seed = config.shuffle_seed if seed is None else seed
   if process_index is None or process_count is None:
     import jax  # pylint: disable=g-import-not-at-top  (only when not given)
+
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index} must be in [0, "
-                     f"process_count={process_count}).")
+    raise ValueError(
+      f"process_index={process_index} must be in [0, process_count={process_count})."
+    )
   if batch_size <= 0 or seq_len <= 0:
     raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be positive.")
   min_copy = synthetic.min_copy_seq_len(config.copy_max_key_len)
   if "copy" in config.sources and seq_len < min_copy:
     raise ValueError(
-        f"the copy task needs seq_len >= {min_copy} for copy_max_key_len="
-        f"{config.copy_max_key_len}; got seq_len={seq_len} "
-        "(lower copy_max_key_len or raise seq_len).")
-  if ("copy" in config.sources and config.synthetic_ramp_documents
-      and config.synthetic_ramp_start < min_copy):
+      f"the copy task needs seq_len >= {min_copy} for copy_max_key_len="
+      f"{config.copy_max_key_len}; got seq_len={seq_len} "
+      "(lower copy_max_key_len or raise seq_len)."
+    )
+  if (
+    "copy" in config.sources
+    and config.synthetic_ramp_documents
+    and config.synthetic_ramp_start < min_copy
+  ):
     raise ValueError(
-        f"the copy task needs synthetic_ramp_start >= {min_copy} for copy_max_key_len="
-        f"{config.copy_max_key_len}; got {config.synthetic_ramp_start}.")
+      f"the copy task needs synthetic_ramp_start >= {min_copy} for copy_max_key_len="
+      f"{config.copy_max_key_len}; got {config.synthetic_ramp_start}."
+    )
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
   streams = [
-      # Each source gets its own seed so adding one does not reshuffle others.
-      _source_dataset(config, kind, split=split, seq_len=seq_len,
-                      seed=(seed * 1_000_003 + i) % 2**32, process_index=process_index,
-                      process_count=process_count, tokenizer=tokenizer)
-      for i, kind in enumerate(config.sources)]
+    # Each source gets its own seed so adding one does not reshuffle others.
+    _source_dataset(
+      config,
+      kind,
+      split=split,
+      seq_len=seq_len,
+      seed=(seed * 1_000_003 + i) % 2**32,
+      process_index=process_index,
+      process_count=process_count,
+      tokenizer=tokenizer,
+    )
+    for i, kind in enumerate(config.sources)
+  ]
   if len(streams) == 1:
     ds = streams[0]
   else:
     weights = list(config.weights) or [1.0] * len(streams)
-    ds = grain.IterDataset.mix(dict(zip(config.sources, streams)),
-                               dict(zip(config.sources, weights)))
+    ds = grain.IterDataset.mix(
+      dict(zip(config.sources, streams)), dict(zip(config.sources, weights))
+    )
   ds = _pack(ds, config, seq_len, seed)
   absolute = config.continuation_positions == "absolute"
   ds = ds.map(lambda row: packing_lib.to_batch_contract(row, absolute=absolute))
@@ -290,11 +350,17 @@ def make_dataset(config: DataConfig, *, split: str = "train", batch_size: int,
   return ds
 
 
-def make_iterator(config: DataConfig, *, split: str = "train", batch_size: int,
-                  seq_len: int | None = None, seed: int | None = None,
-                  process_index: int | None = None, process_count: int | None = None,
-                  batch_transform: Callable[[dict], dict] | None = None
-                  ) -> grain.DatasetIterator:
+def make_iterator(
+  config: DataConfig,
+  *,
+  split: str = "train",
+  batch_size: int,
+  seq_len: int | None = None,
+  seed: int | None = None,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  batch_transform: Callable[[dict], dict] | None = None,
+) -> grain.DatasetIterator:
   """Per-host iterator of batches: dict of numpy arrays, each [batch_size, seq_len]:
   inputs, targets, segment_ids, positions int32; loss_mask float32.
 
@@ -308,9 +374,18 @@ def make_iterator(config: DataConfig, *, split: str = "train", batch_size: int,
   resumes exactly. A finite num_epochs ends with StopIteration; a last partial
   batch is dropped.
   """
-  return iter(make_dataset(config, split=split, batch_size=batch_size, seq_len=seq_len,
-                           seed=seed, process_index=process_index,
-                           process_count=process_count, batch_transform=batch_transform))
+  return iter(
+    make_dataset(
+      config,
+      split=split,
+      batch_size=batch_size,
+      seq_len=seq_len,
+      seed=seed,
+      process_index=process_index,
+      process_count=process_count,
+      batch_transform=batch_transform,
+    )
+  )
 
 
 def make_tokenizer_for(config: DataConfig):
@@ -318,8 +393,9 @@ def make_tokenizer_for(config: DataConfig):
   return make_tokenizer(config.tokenizer, config.tokenizer_model_path)
 
 
-def load_documents(config: DataConfig, *, split: str = "validation", limit: int = 16,
-                   seed: int = 0) -> list[str] | None:
+def load_documents(
+  config: DataConfig, *, split: str = "validation", limit: int = 16, seed: int = 0
+) -> list[str] | None:
   """Up to `limit` whole held-out documents as text, for the evals' 'text'
   haystack and context-use measurements.
 
@@ -334,7 +410,7 @@ def load_documents(config: DataConfig, *, split: str = "validation", limit: int 
     source = document_source(config, kind, split)
     if source is None:
       continue
-    order = np.random.default_rng(seed).permutation(len(source))[:8 * limit]
+    order = np.random.default_rng(seed).permutation(len(source))[: 8 * limit]
     raws = [source[int(i)] for i in order]
     keep = set(np.argsort([-len(r) for r in raws], kind="stable")[:limit].tolist())
     docs += [raws[i].decode("utf-8", errors="replace") for i in range(len(raws)) if i in keep]

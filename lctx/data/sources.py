@@ -10,16 +10,17 @@ The local builder, `LctxTextCorpus`, turns a directory or glob of text files
 `default_data_dir()`; catalogue datasets (pg19 ...) are never downloaded here,
 they must already be prepared under their data_dir.
 """
+
 from __future__ import annotations
 
 import fcntl
 import logging
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
-from etils import epath
 import tensorflow_datasets as tfds
+from etils import epath
 
 from lctx.data import corpus
 
@@ -30,7 +31,8 @@ TEXT_FEATURE = "text"
 def default_data_dir() -> str:
   """$LCTX_DATA_DIR, else ~/.cache/lctx/tfds."""
   return os.path.expanduser(
-      os.environ.get("LCTX_DATA_DIR", os.path.join("~", ".cache", "lctx", "tfds")))
+    os.environ.get("LCTX_DATA_DIR", os.path.join("~", ".cache", "lctx", "tfds"))
+  )
 
 
 class TextCorpusConfig(tfds.core.BuilderConfig):
@@ -63,12 +65,14 @@ class LctxTextCorpus(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self,
-        description="Local text corpus prepared by lctx.data.",
-        features=tfds.features.FeaturesDict({
-            TEXT_FEATURE: tfds.features.Text(),
-            "key": tfds.features.Text(),
-        }),
+      builder=self,
+      description="Local text corpus prepared by lctx.data.",
+      features=tfds.features.FeaturesDict(
+        {
+          TEXT_FEATURE: tfds.features.Text(),
+          "key": tfds.features.Text(),
+        }
+      ),
     )
 
   def _split_generators(self, dl_manager):
@@ -86,8 +90,9 @@ class LctxTextCorpus(tfds.core.GeneratorBasedBuilder):
       yield key, {TEXT_FEATURE: corpus.read_document(key, glob), "key": key}
 
 
-def text_corpus_builder(text_glob: str | None = None, *, data_dir: str | None = None,
-                        validation_fraction: float = 0.02) -> LctxTextCorpus:
+def text_corpus_builder(
+  text_glob: str | None = None, *, data_dir: str | None = None, validation_fraction: float = 0.02
+) -> LctxTextCorpus:
   """The (unprepared or prepared) builder for one corpus. Raises ValueError if
   the corpus is missing or empty."""
   text_glob = text_glob or corpus.DEFAULT_CORPUS
@@ -95,26 +100,32 @@ def text_corpus_builder(text_glob: str | None = None, *, data_dir: str | None = 
   label = "stdlib" if text_glob == corpus.DEFAULT_CORPUS else "files"
   name = f"{label}_{corpus.corpus_fingerprint(text_glob)}_v{int(validation_fraction * 1e4)}"
   config = TextCorpusConfig(
-      name=name, version=LctxTextCorpus.VERSION, text_glob=text_glob,
-      validation_fraction=validation_fraction,
-      description=f"text files {text_glob!r}")
+    name=name,
+    version=LctxTextCorpus.VERSION,
+    text_glob=text_glob,
+    validation_fraction=validation_fraction,
+    description=f"text files {text_glob!r}",
+  )
   # tfds warns "Using custom data configuration" for every per-corpus config;
   # that is the design here, not a problem, so keep it out of the run logs.
   absl_logger = logging.getLogger("absl")
   level = absl_logger.level
   absl_logger.setLevel(logging.ERROR)
   try:
-    return LctxTextCorpus(config=config, data_dir=data_dir or default_data_dir(),
-                          file_format="array_record")
+    return LctxTextCorpus(
+      config=config, data_dir=data_dir or default_data_dir(), file_format="array_record"
+    )
   finally:
     absl_logger.setLevel(level)
 
 
-def prepare_text_corpus(text_glob: str | None = None, *, data_dir: str | None = None,
-                        validation_fraction: float = 0.02) -> LctxTextCorpus:
+def prepare_text_corpus(
+  text_glob: str | None = None, *, data_dir: str | None = None, validation_fraction: float = 0.02
+) -> LctxTextCorpus:
   """Prepares the corpus if it is not prepared yet (idempotent); returns it."""
-  builder = text_corpus_builder(text_glob, data_dir=data_dir,
-                                validation_fraction=validation_fraction)
+  builder = text_corpus_builder(
+    text_glob, data_dir=data_dir, validation_fraction=validation_fraction
+  )
   if builder.is_prepared():
     return builder
   # Several processes on one machine (tests, simulated multi-host) may start
@@ -125,13 +136,16 @@ def prepare_text_corpus(text_glob: str | None = None, *, data_dir: str | None = 
   with open(os.path.join(root, f".{LOCAL_BUILDER_NAME}.lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
-      builder = text_corpus_builder(text_glob, data_dir=data_dir,
-                                    validation_fraction=validation_fraction)
+      builder = text_corpus_builder(
+        text_glob, data_dir=data_dir, validation_fraction=validation_fraction
+      )
       if not builder.is_prepared():
         builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(
-                # Statistics over ~30 MB of text cost more than writing it.
-                compute_stats=tfds.download.ComputeStatsMode.SKIP))
+          download_config=tfds.download.DownloadConfig(
+            # Statistics over ~30 MB of text cost more than writing it.
+            compute_stats=tfds.download.ComputeStatsMode.SKIP
+          )
+        )
     finally:
       fcntl.flock(lock, fcntl.LOCK_UN)
   return builder
@@ -159,47 +173,62 @@ class DocumentSource(Sequence):
     return f"DocumentSource({self._description}, {len(self)} documents)"
 
 
-def open_text_corpus(text_glob: str | None = None, *, split: str,
-                     data_dir: str | None = None,
-                     validation_fraction: float = 0.02) -> DocumentSource:
+def open_text_corpus(
+  text_glob: str | None = None,
+  *,
+  split: str,
+  data_dir: str | None = None,
+  validation_fraction: float = 0.02,
+) -> DocumentSource:
   """The local corpus `split` ('train' | 'validation'), prepared on first use."""
-  builder = prepare_text_corpus(text_glob, data_dir=data_dir,
-                                validation_fraction=validation_fraction)
+  builder = prepare_text_corpus(
+    text_glob, data_dir=data_dir, validation_fraction=validation_fraction
+  )
   if split not in builder.info.splits:
     raise ValueError(
-        f"text corpus {text_glob!r} has no split {split!r} (it has "
-        f"{sorted(builder.info.splits.keys())}); 'validation' needs "
-        f"validation_fraction > 0 (got {validation_fraction}).")
-  return DocumentSource(builder.as_data_source(split=split), TEXT_FEATURE,
-                        f"text corpus {text_glob or corpus.DEFAULT_CORPUS!r} [{split}]")
+      f"text corpus {text_glob!r} has no split {split!r} (it has "
+      f"{sorted(builder.info.splits.keys())}); 'validation' needs "
+      f"validation_fraction > 0 (got {validation_fraction})."
+    )
+  return DocumentSource(
+    builder.as_data_source(split=split),
+    TEXT_FEATURE,
+    f"text corpus {text_glob or corpus.DEFAULT_CORPUS!r} [{split}]",
+  )
 
 
-def open_tfds(name: str, *, split: str, feature: str,
-              data_dir: str | None = None) -> DocumentSource:
+def open_tfds(
+  name: str, *, split: str, feature: str, data_dir: str | None = None
+) -> DocumentSource:
   """A prepared TFDS dataset (e.g. name='pg19', feature='book_text') by name.
 
   Never downloads: on these offline machines (and on a TPU VM reading a bucket)
   the dataset must already be prepared in array_record format under data_dir.
   """
-  hint = (f"prepare it first, e.g. `tfds build {name} --data_dir={data_dir or '<dir>'} "
-          "--file_format=array_record`, then pass that data_dir")
+  hint = (
+    f"prepare it first, e.g. `tfds build {name} --data_dir={data_dir or '<dir>'} "
+    "--file_format=array_record`, then pass that data_dir"
+  )
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError as e:
     raise ValueError(f"TFDS dataset {name!r} is not a known dataset ({hint}).") from e
   if not builder.is_prepared():
-    raise ValueError(f"TFDS dataset {name!r} is not prepared under data_dir="
-                     f"{data_dir!r}; {hint}.")
+    raise ValueError(f"TFDS dataset {name!r} is not prepared under data_dir={data_dir!r}; {hint}.")
   features = builder.info.features
   if feature not in features:
-    raise ValueError(f"TFDS dataset {name!r} has no feature {feature!r}; it has "
-                     f"{sorted(features.keys())}.")
+    raise ValueError(
+      f"TFDS dataset {name!r} has no feature {feature!r}; it has {sorted(features.keys())}."
+    )
   if split not in builder.info.splits and not re.match(r"\w+\[", split):
-    raise ValueError(f"TFDS dataset {name!r} has no split {split!r}; it has "
-                     f"{sorted(builder.info.splits.keys())}.")
+    raise ValueError(
+      f"TFDS dataset {name!r} has no split {split!r}; it has {sorted(builder.info.splits.keys())}."
+    )
   try:
     source = builder.as_data_source(split=split)
   except NotImplementedError as e:
-    raise ValueError(f"TFDS dataset {name!r} under {data_dir!r} is not in a random "
-                     f"access format (array_record); {hint}.") from e
+    raise ValueError(
+      f"TFDS dataset {name!r} under {data_dir!r} is not in a random "
+      f"access format (array_record); {hint}."
+    ) from e
   return DocumentSource(source, feature, f"tfds {name}/{feature} [{split}]")

@@ -20,6 +20,7 @@ except by looking back across the filler. Loss choice (documented in
 A document is a pure function of (seed, split, index), so the source is random
 access, deterministic, and shards by index like any other source.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -27,8 +28,11 @@ import zlib
 import numpy as np
 
 FILLER_SENTENCES = (
-    "The grass is green.", "The sky is blue.", "The sun is yellow.",
-    "Here we go.", "There and back again.",
+  "The grass is green.",
+  "The sky is blue.",
+  "The sun is yellow.",
+  "Here we go.",
+  "There and back again.",
 )
 _KEY_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", np.uint8)
 
@@ -42,9 +46,17 @@ def min_copy_seq_len(max_key_len: int) -> int:
   return 2 + len("key: \n") + len("\ncopy: ") + 2 * max_key_len + len("\n") - 1
 
 
-def copy_document(index: int, *, seed: int, split: str, max_tokens: int,
-                  tokenizer, min_key_len: int = 8, max_key_len: int = 32,
-                  loss_on: str = "copy") -> tuple[np.ndarray, np.ndarray]:
+def copy_document(
+  index: int,
+  *,
+  seed: int,
+  split: str,
+  max_tokens: int,
+  tokenizer,
+  min_key_len: int = 8,
+  max_key_len: int = 32,
+  loss_on: str = "copy",
+) -> tuple[np.ndarray, np.ndarray]:
   """Document `index` of the copy task.
 
   Returns (tokens int32 [L], target_mask float32 [L]) with L <= max_tokens + 1
@@ -64,8 +76,9 @@ def copy_document(index: int, *, seed: int, split: str, max_tokens: int,
   budget = max_tokens + 1 - 2 - len(head) - len(tail_prefix) - len(tail)
   if max_tokens < min_copy_seq_len(max_key_len):
     raise ValueError(
-        f"copy task needs seq_len >= {min_copy_seq_len(max_key_len)} for keys of "
-        f"up to {max_key_len} characters, got seq_len={max_tokens}.")
+      f"copy task needs seq_len >= {min_copy_seq_len(max_key_len)} for keys of "
+      f"up to {max_key_len} characters, got seq_len={max_tokens}."
+    )
   filler_len = int(rng.integers(0, budget + 1))
   # Enough random sentences, then cut to length: not periodic, cheap to make.
   picks = rng.integers(0, len(FILLER_SENTENCES), filler_len // 11 + 2)
@@ -79,5 +92,5 @@ def copy_document(index: int, *, seed: int, split: str, max_tokens: int,
     mask = np.ones(len(tokens), np.float32)
   else:
     mask = np.zeros(len(tokens), np.float32)
-    mask[1 + len(context):] = 1.0  # the copied key, its newline, EOS
+    mask[1 + len(context) :] = 1.0  # the copied key, its newline, EOS
   return tokens, mask

@@ -10,10 +10,12 @@ which one is used:
 Id 0 is padding for both, because the batch contract uses segment id 0 = pad and
 the model may embed pad tokens: keeping pad at 0 makes zero-filled rows valid.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -85,8 +87,9 @@ class SentencePieceTokenizer:
     model_path = os.path.expanduser(model_path)
     if not os.path.exists(model_path):
       raise ValueError(
-          f"SentencePiece model {model_path!r} does not exist; train one with "
-          "`python scripts/train_sentencepiece.py --output_prefix=...`.")
+        f"SentencePiece model {model_path!r} does not exist; train one with "
+        "`python scripts/train_sentencepiece.py --output_prefix=...`."
+      )
     self.model_path = model_path
     self._sp = spm.SentencePieceProcessor(model_file=model_path)
     self.pad_id = int(self._sp.pad_id())
@@ -94,9 +97,10 @@ class SentencePieceTokenizer:
     self.eos_id = int(self._sp.eos_id())
     if (self.pad_id, self.bos_id, self.eos_id) != (0, 1, 2):
       raise ValueError(
-          "SentencePiece model must use pad_id=0, bos_id=1, eos_id=2 (lctx "
-          f"reserves 0 for padding); {model_path} has pad={self.pad_id}, "
-          f"bos={self.bos_id}, eos={self.eos_id}.")
+        "SentencePiece model must use pad_id=0, bos_id=1, eos_id=2 (lctx "
+        f"reserves 0 for padding); {model_path} has pad={self.pad_id}, "
+        f"bos={self.bos_id}, eos={self.eos_id}."
+      )
 
   @property
   def vocab_size(self) -> int:

@@ -10,20 +10,43 @@ Pieces: `tasks` (synthetic examples, exact depth, seeds, training rows),
 `grid` (tasks x lengths x depths, controls), `context_use` (loss by position,
 context ablation, key tokens), `plots` (PNGs, markdown), `runner`.
 """
+
 from lctx.evals.context_use import context_use
 from lctx.evals.grid import grid_metrics, run_grid
 from lctx.evals.haystack import HAYSTACK_KINDS, Haystack, make_haystack
 from lctx.evals.runner import EvalConfig, run_evals
 from lctx.evals.scoring import make_batch, score_answers, token_scores
-from lctx.evals.tasks import (EVAL_SEED_BASE, TASKS, RetrievalExample,
-                              build_example, depth_offset, draw_training_seed,
-                              eval_seed, make_training_example,
-                              training_example_at)
+from lctx.evals.tasks import (
+  EVAL_SEED_BASE,
+  TASKS,
+  RetrievalExample,
+  build_example,
+  depth_offset,
+  draw_training_seed,
+  eval_seed,
+  make_training_example,
+  training_example_at,
+)
 
 __all__ = [
-    "EVAL_SEED_BASE", "EvalConfig", "HAYSTACK_KINDS", "Haystack",
-    "RetrievalExample", "TASKS", "build_example", "context_use", "depth_offset",
-    "draw_training_seed", "eval_seed", "grid_metrics", "make_batch",
-    "make_haystack", "make_training_example", "run_evals", "run_grid",
-    "score_answers", "token_scores", "training_example_at",
+  "EVAL_SEED_BASE",
+  "EvalConfig",
+  "HAYSTACK_KINDS",
+  "Haystack",
+  "RetrievalExample",
+  "TASKS",
+  "build_example",
+  "context_use",
+  "depth_offset",
+  "draw_training_seed",
+  "eval_seed",
+  "grid_metrics",
+  "make_batch",
+  "make_haystack",
+  "make_training_example",
+  "run_evals",
+  "run_grid",
+  "score_answers",
+  "token_scores",
+  "training_example_at",
 ]

@@ -17,9 +17,10 @@ Each document is cut to its first `length` tokens, x = doc[:length].
   the window. Here the short context of a tail token is the truncated run above
   (window - tail .. window - 1 tokens), not a per-token sliding window.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -35,9 +36,17 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
   return out
 
 
-def context_use(logits_fn: LogitsFn, documents: Sequence[np.ndarray], *,
-                length: int, window: int, tail: int, batch_size: int,
-                length_multiple: int = 1, key_threshold: float = 2.0) -> dict:
+def context_use(
+  logits_fn: LogitsFn,
+  documents: Sequence[np.ndarray],
+  *,
+  length: int,
+  window: int,
+  tail: int,
+  batch_size: int,
+  length_multiple: int = 1,
+  key_threshold: float = 2.0,
+) -> dict:
   """Runs the three evals above. `documents` are int32 token arrays; those
   shorter than `length` are dropped (ValueError if none is left or if not
   1 <= tail < window < length). Returns a JSON-ready dict with `position_loss`
@@ -45,60 +54,90 @@ def context_use(logits_fn: LogitsFn, documents: Sequence[np.ndarray], *,
   loss_replaced, gap_truncated, gap_replaced, key_token_frac, n_tokens ...).
   `loss_replaced` is None when fewer than two documents are given."""
   if not 1 <= tail < window < length:
-    raise ValueError(f"need 1 <= tail < window < length, got tail={tail}, "
-                     f"window={window}, length={length}.")
+    raise ValueError(
+      f"need 1 <= tail < window < length, got tail={tail}, window={window}, length={length}."
+    )
   docs = [np.asarray(d, np.int32)[:length] for d in documents if len(d) >= length]
   if not docs:
     raise ValueError(f"no document has at least {length} tokens.")
 
   full_mask = np.ones(length, bool)
   full_mask[0] = False
-  full = token_scores(logits_fn, docs, [full_mask] * len(docs),
-                      batch_size=batch_size, length_multiple=length_multiple)
+  full = token_scores(
+    logits_fn, docs, [full_mask] * len(docs), batch_size=batch_size, length_multiple=length_multiple
+  )
   losses = -np.stack([lp for lp, _ in full])  # [num_docs, length - 1], t = 1..
 
   buckets = []
   for start, end in position_buckets(length):
-    chunk = losses[:, start - 1:end - 1]
-    buckets.append({"start": start, "end": end, "loss": float(chunk.mean()),
-                    "n": int(chunk.size)})
+    chunk = losses[:, start - 1 : end - 1]
+    buckets.append({"start": start, "end": end, "loss": float(chunk.mean()), "n": int(chunk.size)})
 
   tail_mask_w = np.zeros(window, bool)
   tail_mask_w[-tail:] = True
-  trunc = token_scores(logits_fn, [d[-window:] for d in docs],
-                       [tail_mask_w] * len(docs), batch_size=batch_size,
-                       length_multiple=length_multiple)
-  loss_full = losses[:, -tail:]                        # [num_docs, tail]
-  loss_trunc = -np.stack([lp for lp, _ in trunc])      # [num_docs, tail]
+  trunc = token_scores(
+    logits_fn,
+    [d[-window:] for d in docs],
+    [tail_mask_w] * len(docs),
+    batch_size=batch_size,
+    length_multiple=length_multiple,
+  )
+  loss_full = losses[:, -tail:]  # [num_docs, tail]
+  loss_trunc = -np.stack([lp for lp, _ in trunc])  # [num_docs, tail]
   ablation = {
-      "window": int(window), "tail": int(tail), "num_docs": len(docs),
-      "n_tokens": int(loss_full.size),
-      "loss_full": float(loss_full.mean()),
-      "loss_truncated": float(loss_trunc.mean()),
-      "gap_truncated": float((loss_trunc - loss_full).mean()),
-      "key_token_frac": float(((loss_trunc - loss_full) > key_threshold).mean()),
-      "key_threshold": float(key_threshold),
-      "loss_replaced": None, "gap_replaced": None,
+    "window": int(window),
+    "tail": int(tail),
+    "num_docs": len(docs),
+    "n_tokens": int(loss_full.size),
+    "loss_full": float(loss_full.mean()),
+    "loss_truncated": float(loss_trunc.mean()),
+    "gap_truncated": float((loss_trunc - loss_full).mean()),
+    "key_token_frac": float(((loss_trunc - loss_full) > key_threshold).mean()),
+    "key_threshold": float(key_threshold),
+    "loss_replaced": None,
+    "gap_replaced": None,
   }
   if len(docs) >= 2:
     tail_mask_l = np.zeros(length, bool)
     tail_mask_l[-tail:] = True
-    swapped = [np.concatenate([docs[(i + 1) % len(docs)][:length - window],
-                               d[-window:]]) for i, d in enumerate(docs)]
-    repl = token_scores(logits_fn, swapped, [tail_mask_l] * len(docs),
-                        batch_size=batch_size, length_multiple=length_multiple)
+    swapped = [
+      np.concatenate([docs[(i + 1) % len(docs)][: length - window], d[-window:]])
+      for i, d in enumerate(docs)
+    ]
+    repl = token_scores(
+      logits_fn,
+      swapped,
+      [tail_mask_l] * len(docs),
+      batch_size=batch_size,
+      length_multiple=length_multiple,
+    )
     loss_repl = -np.stack([lp for lp, _ in repl])
     ablation["loss_replaced"] = float(loss_repl.mean())
     ablation["gap_replaced"] = float((loss_repl - loss_full).mean())
-  return {"length": int(length), "num_docs": len(docs),
-          "position_loss": buckets, "ablation": ablation}
+  return {
+    "length": int(length),
+    "num_docs": len(docs),
+    "position_loss": buckets,
+    "ablation": ablation,
+  }
 
 
 def context_use_metrics(result: dict, prefix: str = "eval/context") -> dict[str, float]:
   """Flat scalars from `context_use`'s result (None entries are omitted)."""
-  out = {f"{prefix}/{k}": float(v) for k, v in result["ablation"].items()
-         if k in ("loss_full", "loss_truncated", "loss_replaced", "gap_truncated",
-                  "gap_replaced", "key_token_frac") and v is not None}
+  out = {
+    f"{prefix}/{k}": float(v)
+    for k, v in result["ablation"].items()
+    if k
+    in (
+      "loss_full",
+      "loss_truncated",
+      "loss_replaced",
+      "gap_truncated",
+      "gap_replaced",
+      "key_token_frac",
+    )
+    and v is not None
+  }
   if result["position_loss"]:
     out[f"{prefix}/loss_last_bucket"] = result["position_loss"][-1]["loss"]
   return out

@@ -25,10 +25,11 @@ With `window` < length, each main example is also scored with its context cut to
 the last `window` tokens (positions restarting at 0): `window_accuracy` and
 `window_loglik` show how much the answer depends on context beyond the window.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -48,13 +49,25 @@ class _Window:
     self.answer_start = ex.answer_start - (len(ex.tokens) - window)
 
 
-def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
-             lengths: Sequence[int], depths: Sequence[float],
-             samples_per_cell: int, seed: int, haystack: Haystack,
-             held_out_haystack: Haystack | None, needle_removed_control: bool,
-             window: int | None, batch_size: int, length_multiple: int,
-             add_bos: bool = True, held_out_phrasing: bool = False,
-             attention_windows: Sequence[int | None] | None = None) -> list[dict]:
+def run_grid(
+  logits_fn: LogitsFn,
+  tokenizer,
+  *,
+  tasks: Sequence[str],
+  lengths: Sequence[int],
+  depths: Sequence[float],
+  samples_per_cell: int,
+  seed: int,
+  haystack: Haystack,
+  held_out_haystack: Haystack | None,
+  needle_removed_control: bool,
+  window: int | None,
+  batch_size: int,
+  length_multiple: int,
+  add_bos: bool = True,
+  held_out_phrasing: bool = False,
+  attention_windows: Sequence[int | None] | None = None,
+) -> list[dict]:
   """Builds and scores the grid; returns one record per (variant, task, length,
   depth) with keys task, length, depth, accuracy, n, needle_removed, held_out,
   haystack, phrasing, loglik (mean answer log-likelihood, nats), token_acc,
@@ -74,60 +87,80 @@ def run_grid(logits_fn: LogitsFn, tokenizer, *, tasks: Sequence[str],
         if held_out_haystack is not None:
           variants.append((held_out_haystack, False, True, "held_out", "train"))
         if held_out_phrasing:
-          variants.append((haystack, False, True, "held_out_phrasing",
-                           "held_out"))
+          variants.append((haystack, False, True, "held_out_phrasing", "held_out"))
         try:
           for hs, removed, held_out, tag, phrasing in variants:
-            exs = [build_example(task, length, depth,
-                                 eval_seed(seed, tag, task, length, di, s),
-                                 tokenizer, hs, needle_removed=removed,
-                                 add_bos=add_bos, phrasing=phrasing)
-                   for s in range(samples_per_cell)]
-            template = {"task": task, "length": int(length),
-                        "depth": float(depth), "needle_removed": removed,
-                        "held_out": held_out, "haystack": hs.kind,
-                        "phrasing": phrasing, "chance": exs[0].chance}
+            exs = [
+              build_example(
+                task,
+                length,
+                depth,
+                eval_seed(seed, tag, task, length, di, s),
+                tokenizer,
+                hs,
+                needle_removed=removed,
+                add_bos=add_bos,
+                phrasing=phrasing,
+              )
+              for s in range(samples_per_cell)
+            ]
+            template = {
+              "task": task,
+              "length": int(length),
+              "depth": float(depth),
+              "needle_removed": removed,
+              "held_out": held_out,
+              "haystack": hs.kind,
+              "phrasing": phrasing,
+              "chance": exs[0].chance,
+            }
             template.update(reach_class(exs, attention_windows))
             cells.append((template, exs))
         except ValueError as e:
           _log.warning("skipping %s at length %d: %s", task, length, e)
-          cells = [c for c in cells if not (c[0]["task"] == task and
-                                            c[0]["depth"] == float(depth))]
+          cells = [c for c in cells if not (c[0]["task"] == task and c[0]["depth"] == float(depth))]
     flat = [ex for _, exs in cells for ex in exs]
     if not flat:
       continue
-    scores = score_answers(logits_fn, flat, batch_size=batch_size,
-                           length_multiple=length_multiple)
+    scores = score_answers(logits_fn, flat, batch_size=batch_size, length_multiple=length_multiple)
     main_idx = [i for i, ex in enumerate(flat) if not ex.needle_removed]
     use_window = window is not None and 0 < window < length
     # The window must hold the question tail and the whole answer (+1 token).
     if use_window and any(length - flat[i].answer_start >= window for i in main_idx):
-      _log.warning("window %s too short for the answers at length %d; "
-                   "skipping window scoring", window, length)
+      _log.warning(
+        "window %s too short for the answers at length %d; skipping window scoring", window, length
+      )
       use_window = False
     win_scores = {}
     if use_window:
-      ws = score_answers(logits_fn, [_Window(flat[i], window) for i in main_idx],
-                         batch_size=batch_size, length_multiple=length_multiple)
+      ws = score_answers(
+        logits_fn,
+        [_Window(flat[i], window) for i in main_idx],
+        batch_size=batch_size,
+        length_multiple=length_multiple,
+      )
       win_scores = dict(zip(main_idx, ws))
     pos = 0
     for template, exs in cells:
-      sc = scores[pos:pos + len(exs)]
+      sc = scores[pos : pos + len(exs)]
       rec = dict(template)
-      rec.update(accuracy=float(np.mean([s["exact"] for s in sc])), n=len(exs),
-                 loglik=float(np.mean([s["loglik"] for s in sc])),
-                 token_acc=float(np.mean([s["token_acc"] for s in sc])),
-                 # tokens from the depth-placed needle's start to the answer
-                 distance=float(np.mean([len(e.tokens) - e.depth_offset
-                                         for e in exs])))
+      rec.update(
+        accuracy=float(np.mean([s["exact"] for s in sc])),
+        n=len(exs),
+        loglik=float(np.mean([s["loglik"] for s in sc])),
+        token_acc=float(np.mean([s["token_acc"] for s in sc])),
+        # tokens from the depth-placed needle's start to the answer
+        distance=float(np.mean([len(e.tokens) - e.depth_offset for e in exs])),
+      )
       if use_window and pos in win_scores:
         wsc = [win_scores[pos + k] for k in range(len(exs))]
-        rec.update(window=int(window),
-                   window_accuracy=float(np.mean([s["exact"] for s in wsc])),
-                   window_loglik=float(np.mean([s["loglik"] for s in wsc])),
-                   # the cut drops the whole depth-placed needle in every example
-                   needle_cut=all(_depth_needle_end(e) <= len(e.tokens) - window
-                                  for e in exs))
+        rec.update(
+          window=int(window),
+          window_accuracy=float(np.mean([s["exact"] for s in wsc])),
+          window_loglik=float(np.mean([s["loglik"] for s in wsc])),
+          # the cut drops the whole depth-placed needle in every example
+          needle_cut=all(_depth_needle_end(e) <= len(e.tokens) - window for e in exs),
+        )
       records.append(rec)
       pos += len(exs)
   return records
@@ -150,7 +183,7 @@ def reach_class(examples, attention_windows: Sequence[int | None] | None) -> dic
     end = _depth_needle_end(ex)
     first = ex.answer_start - 1
     near.append(first - ex.depth_offset)  # to the needle's first token
-    far.append(first - (end - 1))         # to its last token
+    far.append(first - (end - 1))  # to its last token
   if max(near) <= direct:
     cls = "window"
   elif min(far) > field:
@@ -200,8 +233,7 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
         out[f"{p}/window_gap"] = mean(win, "loglik") - mean(win, "window_loglik")
         cut = [r for r in win if r.get("needle_cut")]
         if cut:
-          out[f"{p}/window_gap_cut"] = (mean(cut, "loglik")
-                                        - mean(cut, "window_loglik"))
+          out[f"{p}/window_gap_cut"] = mean(cut, "loglik") - mean(cut, "window_loglik")
     if removed:
       out[f"{p}/removed_acc"] = mean(removed, "accuracy")
       if main:  # answer nats the needle is worth: > 0 long before exact match
@@ -211,5 +243,6 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
         out[f"{p}/{name}"] = mean(group, "accuracy")
         for length in sorted({r["length"] for r in group}):
           out[f"{p}/{name}_len{length}"] = mean(
-              [r for r in group if r["length"] == length], "accuracy")
+            [r for r in group if r["length"] == length], "accuracy"
+          )
   return out

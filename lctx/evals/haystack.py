@@ -10,17 +10,21 @@ as it needs, so needle placement is exact in tokens. Three kinds:
 - "text": real text (e.g. validation-split documents), concatenated with blank
   lines between documents; each example starts at a seeded random offset.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-NOISE_FILLER = ("The grass is green. The sky is blue. The sun is yellow. "
-                "Here we go. There and back again. ")
+NOISE_FILLER = (
+  "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
 # Never used by make_training_example: the held-out filler.
-ALT_NOISE_FILLER = ("The river runs to the sea. The hills are quiet. The wind is "
-                    "cold. On and on it goes. Far away and home again. ")
+ALT_NOISE_FILLER = (
+  "The river runs to the sea. The hills are quiet. The wind is "
+  "cold. On and on it goes. Far away and home again. "
+)
 
 HAYSTACK_KINDS = ("noise", "alt_noise", "text")
 
@@ -47,12 +51,16 @@ class Haystack:
       start = 0
     reps = (start + n) // self.tokens.size + 1
     stream = np.tile(self.tokens, reps) if reps > 1 else self.tokens
-    return stream[start:start + n].copy()
+    return stream[start : start + n].copy()
 
 
-def make_haystack(kind: str, tokenizer,
-                  documents: Iterable[str | np.ndarray] | None = None,
-                  *, max_tokens: int = 1 << 22) -> Haystack:
+def make_haystack(
+  kind: str,
+  tokenizer,
+  documents: Iterable[str | np.ndarray] | None = None,
+  *,
+  max_tokens: int = 1 << 22,
+) -> Haystack:
   """Builds a haystack of `kind` in HAYSTACK_KINDS with `tokenizer`.
 
   `documents` (strings, or already-tokenized int arrays) are required for
@@ -69,8 +77,9 @@ def make_haystack(kind: str, tokenizer,
     parts, total = [], 0
     sep = np.asarray(tokenizer.encode("\n\n"), dtype=np.int32)
     for doc in documents:
-      ids = np.asarray(tokenizer.encode(doc) if isinstance(doc, str) else doc,
-                       dtype=np.int32).reshape(-1)
+      ids = np.asarray(
+        tokenizer.encode(doc) if isinstance(doc, str) else doc, dtype=np.int32
+      ).reshape(-1)
       parts += [ids, sep]
       total += ids.size + sep.size
       if total >= max_tokens:

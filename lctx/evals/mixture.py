@@ -9,6 +9,7 @@ with the byte tokenizer) and the full row, so the model sees needles at every
 distance up to its training length, and short documents pack several to a row:
 more answers per step, which is what a small model learns retrieval from.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,25 +35,29 @@ def _length_of(task: str, index: int, seed: int, split: str, max_tokens: int) ->
 
 
 def _source_for(task: str):
-  def make_document(index: int, *, seed: int, split: str, max_tokens: int,
-                    tokenizer) -> tuple[np.ndarray, np.ndarray]:
+  def make_document(
+    index: int, *, seed: int, split: str, max_tokens: int, tokenizer
+  ) -> tuple[np.ndarray, np.ndarray]:
     length = _length_of(task, index, seed, split, max_tokens)
     # Validation rows come from another seed stream than training rows.
     stream = seed if split == "train" else seed + 7_919
     try:
-      ex = training_example_at(task, length, index, seed=stream,
-                               tokenizer=tokenizer, answer_loss_only=True)
+      ex = training_example_at(
+        task, length, index, seed=stream, tokenizer=tokenizer, answer_loss_only=True
+      )
     except ValueError:
       # This draw's needles do not fit the sampled length (e.g. a subword
       # tokenizer or long variable names); the full row is the longest we may
       # use (and raises a clear error if even that fails).
-      ex = training_example_at(task, max_tokens, index, seed=stream,
-                               tokenizer=tokenizer, answer_loss_only=True)
+      ex = training_example_at(
+        task, max_tokens, index, seed=stream, tokenizer=tokenizer, answer_loss_only=True
+      )
     # Batch-contract row -> document layout: tokens [L + 1], and
     # target_mask[j] = loss on predicting token j.
     tokens = np.concatenate([ex["inputs"], ex["targets"][-1:]]).astype(np.int32)
     mask = np.concatenate([[0.0], ex["loss_mask"]]).astype(np.float32)
     return tokens, mask
+
   return make_document
 
 

@@ -1,7 +1,8 @@
 """PNG figures and the markdown summary (matplotlib, Agg backend, no display)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import matplotlib
 
@@ -10,15 +11,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
-_VARIANTS = (("main", "with needle"), ("removed", "needle removed (control)"),
-             ("held_out", "held-out haystack"),
-             ("held_out_phrasing", "held-out needle phrasing"))
+_VARIANTS = (
+  ("main", "with needle"),
+  ("removed", "needle removed (control)"),
+  ("held_out", "held-out haystack"),
+  ("held_out_phrasing", "held-out needle phrasing"),
+)
 
 
 def _variant(rec: dict) -> str:
   if rec.get("held_out"):
-    return ("held_out_phrasing" if rec.get("phrasing") == "held_out"
-            else "held_out")
+    return "held_out_phrasing" if rec.get("phrasing") == "held_out" else "held_out"
   return "removed" if rec["needle_removed"] else "main"
 
 
@@ -36,20 +39,20 @@ def _table(records: Sequence[dict], key: str = "accuracy"):
 def heatmap(records: Sequence[dict], task: str, path: str, *, step: int) -> None:
   """One figure per task: a length x depth accuracy heatmap per variant."""
   rs = [r for r in records if r["task"] == task]
-  panels = [(v, title, "accuracy") for v, title in _VARIANTS
-            if any(_variant(r) == v for r in rs)]
+  panels = [(v, title, "accuracy") for v, title in _VARIANTS if any(_variant(r) == v for r in rs)]
   windowed = [r for r in rs if _variant(r) == "main" and "window_accuracy" in r]
   if windowed:  # same examples, context cut to the last W tokens
-    panels.append(("main", f"context cut to last {windowed[0]['window']} tokens",
-                   "window_accuracy"))
-  fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.2, 3.4),
-                           squeeze=False, layout="constrained")
+    panels.append(
+      ("main", f"context cut to last {windowed[0]['window']} tokens", "window_accuracy")
+    )
+  fig, axes = plt.subplots(
+    1, len(panels), figsize=(3.6 * len(panels) + 1.2, 3.4), squeeze=False, layout="constrained"
+  )
   image = None
   for ax, (v, title, key) in zip(axes[0], panels):
     sub = [r for r in rs if _variant(r) == v and key in r]
     lengths, depths, vals = _table(sub, key)
-    image = ax.imshow(vals, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto",
-                      origin="lower")
+    image = ax.imshow(vals, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
     for i in range(len(lengths)):
       for j in range(len(depths)):
         if not np.isnan(vals[i, j]):
@@ -60,8 +63,7 @@ def heatmap(records: Sequence[dict], task: str, path: str, *, step: int) -> None
     if ax is axes[0][0]:
       ax.set_ylabel("context length (tokens)")
     chance = max(r["chance"] for r in sub)
-    ax.set_title(f"{title}\nmean {np.nanmean(vals):.2f}, chance {chance:.1g}",
-                 fontsize=9)
+    ax.set_title(f"{title}\nmean {np.nanmean(vals):.2f}, chance {chance:.1g}", fontsize=9)
   fig.suptitle(f"{task} exact match, step {step}", fontsize=11)
   fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
   fig.savefig(path, dpi=110)
@@ -79,21 +81,26 @@ def position_loss_plot(result: dict, path: str, *, step: int) -> None:
   ax.set_xlabel("token position (bucket centre)")
   ax.set_ylabel("next-token loss (nats)")
   ab = result["ablation"]
-  note = (f"last {ab['tail']} tokens: full {ab['loss_full']:.3f}, "
-          f"last-{ab['window']} {ab['loss_truncated']:.3f}")
+  note = (
+    f"last {ab['tail']} tokens: full {ab['loss_full']:.3f}, "
+    f"last-{ab['window']} {ab['loss_truncated']:.3f}"
+  )
   if ab["loss_replaced"] is not None:
     note += f", replaced {ab['loss_replaced']:.3f}"
   note += f"\nkey-token fraction {ab['key_token_frac']:.3f}"
-  ax.set_title(f"loss by position, {result['num_docs']} docs x "
-               f"{result['length']} tokens, step {step}\n{note}", fontsize=9)
+  ax.set_title(
+    f"loss by position, {result['num_docs']} docs x {result['length']} tokens, step {step}\n{note}",
+    fontsize=9,
+  )
   ax.grid(True, alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
-def summary_markdown(records: Sequence[dict], context: dict | None,
-                     metrics: dict[str, float], *, step: int) -> str:
+def summary_markdown(
+  records: Sequence[dict], context: dict | None, metrics: dict[str, float], *, step: int
+) -> str:
   """A short human-readable report of the grid and the context evals."""
   lines = [f"# Retrieval evals, step {step}", ""]
   for task in dict.fromkeys(r["task"] for r in records):
@@ -101,51 +108,63 @@ def summary_markdown(records: Sequence[dict], context: dict | None,
     lines += [f"## {task}", ""]
     main = [r for r in rs if _variant(r) == "main"]
     lengths, depths, vals = _table(main)
-    lines.append("| length \\ depth | " + " | ".join(f"{d:g}" for d in depths)
-                 + " | mean |")
+    lines.append("| length \\ depth | " + " | ".join(f"{d:g}" for d in depths) + " | mean |")
     lines.append("|---" * (len(depths) + 2) + "|")
     for i, n in enumerate(lengths):
       cells = " | ".join("-" if np.isnan(v) else f"{v:.2f}" for v in vals[i])
       lines.append(f"| {n} | {cells} | {np.nanmean(vals[i]):.2f} |")
     lines.append("")
-    for key, label in (("removed_acc", "needle removed (control)"),
-                       ("held_out_acc", "held-out haystack"),
-                       ("held_out_phrasing_acc", "held-out needle phrasing"),
-                       ("needle_gain", "answer log-lik gained from the needle (nats)"),
-                       ("window_acc", "context cut to the window"),
-                       ("window_gap", "answer log-lik lost without distant context"),
-                       ("window_gap_cut", "answer log-lik lost where the cut "
-                        "drops the whole needle")):
+    for key, label in (
+      ("removed_acc", "needle removed (control)"),
+      ("held_out_acc", "held-out haystack"),
+      ("held_out_phrasing_acc", "held-out needle phrasing"),
+      ("needle_gain", "answer log-lik gained from the needle (nats)"),
+      ("window_acc", "context cut to the window"),
+      ("window_gap", "answer log-lik lost without distant context"),
+      ("window_gap_cut", "answer log-lik lost where the cut drops the whole needle"),
+    ):
       k = f"eval/{task}/{key}"
       if k in metrics:
-        per_length = sorted((int(m.rsplit("_len", 1)[1]), v)
-                            for m, v in metrics.items()
-                            if m.startswith(k + "_len"))
+        per_length = sorted(
+          (int(m.rsplit("_len", 1)[1]), v) for m, v in metrics.items() if m.startswith(k + "_len")
+        )
         detail = ", ".join(f"{n}: {v:.2f}" for n, v in per_length)
-        lines.append(f"- {label}: {metrics[k]:.3f}"
-                     + (f" (by length {detail})" if len(per_length) > 1 else ""))
+        lines.append(
+          f"- {label}: {metrics[k]:.3f}" + (f" (by length {detail})" if len(per_length) > 1 else "")
+        )
     field = next((r["receptive_field"] for r in rs if "receptive_field" in r), None)
     if field is not None:
       by_class = ", ".join(
-          f"{cls} {metrics[f'eval/{task}/acc_{cls}']:.2f}"
-          for cls in ("window", "relay", "beyond")
-          if f"eval/{task}/acc_{cls}" in metrics)
-      lines.append(f"- local attention, receptive field {field} tokens; "
-                   f"accuracy by where the needle lies: {by_class}")
-    lines.append(f"- chance: {max(r['chance'] for r in rs):.1g}; "
-                 f"{main[0]['n'] if main else 0} samples per cell")
+        f"{cls} {metrics[f'eval/{task}/acc_{cls}']:.2f}"
+        for cls in ("window", "relay", "beyond")
+        if f"eval/{task}/acc_{cls}" in metrics
+      )
+      lines.append(
+        f"- local attention, receptive field {field} tokens; "
+        f"accuracy by where the needle lies: {by_class}"
+      )
+    lines.append(
+      f"- chance: {max(r['chance'] for r in rs):.1g}; "
+      f"{main[0]['n'] if main else 0} samples per cell"
+    )
     lines.append("")
   if context is not None:
     ab = context["ablation"]
-    lines += ["## Distant context on held-out documents", "",
-              f"{context['num_docs']} documents x {context['length']} tokens; "
-              f"last {ab['tail']} tokens, window {ab['window']}.", "",
-              f"- loss full {ab['loss_full']:.3f}, truncated "
-              f"{ab['loss_truncated']:.3f} (gap {ab['gap_truncated']:+.3f})"]
+    lines += [
+      "## Distant context on held-out documents",
+      "",
+      f"{context['num_docs']} documents x {context['length']} tokens; "
+      f"last {ab['tail']} tokens, window {ab['window']}.",
+      "",
+      f"- loss full {ab['loss_full']:.3f}, truncated "
+      f"{ab['loss_truncated']:.3f} (gap {ab['gap_truncated']:+.3f})",
+    ]
     if ab["loss_replaced"] is not None:
-      lines.append(f"- distant context replaced {ab['loss_replaced']:.3f} "
-                   f"(gap {ab['gap_replaced']:+.3f})")
-    lines.append(f"- key-token fraction (> {ab['key_threshold']:g} nats): "
-                 f"{ab['key_token_frac']:.3f}")
+      lines.append(
+        f"- distant context replaced {ab['loss_replaced']:.3f} (gap {ab['gap_replaced']:+.3f})"
+      )
+    lines.append(
+      f"- key-token fraction (> {ab['key_threshold']:g} nats): {ab['key_token_frac']:.3f}"
+    )
     lines.append("")
   return "\n".join(lines)

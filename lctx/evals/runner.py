@@ -12,6 +12,7 @@ Writes under `<workdir>/evals/` (only on the writing process):
 
 The top-level files are always the latest step's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,6 +40,7 @@ class EvalConfig:
   """What `run_evals` runs. Cost: len(tasks) x len(lengths) x len(depths) x
   samples_per_cell examples per variant (main, needle removed, held out), one
   forward each, plus a short window forward per main example."""
+
   tasks: tuple[str, ...] = TASKS
   """Subset of lctx.evals.TASKS."""
   lengths: tuple[int, ...] = (256, 512)
@@ -80,8 +82,7 @@ class EvalConfig:
   def __post_init__(self):
     bad = [t for t in self.tasks if t not in TASKS]
     if bad or not self.tasks:
-      raise ValueError(f"EvalConfig.tasks {self.tasks} must be a non-empty subset "
-                       f"of {TASKS}.")
+      raise ValueError(f"EvalConfig.tasks {self.tasks} must be a non-empty subset of {TASKS}.")
     if not self.lengths or min(self.lengths) < 2:
       raise ValueError(f"EvalConfig.lengths must be positive, got {self.lengths}.")
     if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
@@ -89,10 +90,11 @@ class EvalConfig:
     if self.haystack not in HAYSTACK_KINDS:
       raise ValueError(f"EvalConfig.haystack {self.haystack!r} not in {HAYSTACK_KINDS}.")
     if self.held_out_haystack not in HAYSTACK_KINDS + ("auto", "none"):
-      raise ValueError(f"EvalConfig.held_out_haystack {self.held_out_haystack!r} "
-                       f"not in {HAYSTACK_KINDS + ('auto', 'none')}.")
-    for name in ("samples_per_cell", "batch_size", "length_multiple",
-                 "num_documents"):
+      raise ValueError(
+        f"EvalConfig.held_out_haystack {self.held_out_haystack!r} "
+        f"not in {HAYSTACK_KINDS + ('auto', 'none')}."
+      )
+    for name in ("samples_per_cell", "batch_size", "length_multiple", "num_documents"):
       if getattr(self, name) < 1:
         raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)}.")
 
@@ -114,11 +116,17 @@ def _write_json(path: str, obj) -> None:
   os.replace(tmp, path)  # readers never see a half-written file
 
 
-def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: str,
-              step: int, documents: Sequence[str | np.ndarray] | None = None,
-              write_files: bool | None = None,
-              attention_windows: Sequence[int | None] | None = None
-              ) -> dict[str, float]:
+def run_evals(
+  logits_fn: LogitsFn,
+  tokenizer,
+  *,
+  config: EvalConfig,
+  workdir: str,
+  step: int,
+  documents: Sequence[str | np.ndarray] | None = None,
+  write_files: bool | None = None,
+  attention_windows: Sequence[int | None] | None = None,
+) -> dict[str, float]:
   """Runs the retrieval grid (+ controls) and, with `documents`, the context-use
   evals; writes the files listed in the module docstring; returns flat scalars
   such as `eval/passkey/acc`, `eval/passkey/removed_acc`,
@@ -138,6 +146,7 @@ def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: st
   t0 = time.time()
   if write_files is None:
     import jax  # local: the evals themselves never need jax
+
     write_files = jax.process_index() == 0
   docs = None
   if documents is not None:
@@ -151,14 +160,23 @@ def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: st
   held = None if held_kind == "none" else make_haystack(held_kind, tokenizer, docs)
 
   records = run_grid(
-      logits_fn, tokenizer, tasks=config.tasks, lengths=config.lengths,
-      depths=config.depths, samples_per_cell=config.samples_per_cell,
-      seed=config.seed, haystack=haystack, held_out_haystack=held,
-      needle_removed_control=config.needle_removed_control,
-      window=config.window or None, batch_size=config.batch_size,
-      length_multiple=config.length_multiple, add_bos=config.add_bos,
-      held_out_phrasing=config.held_out_phrasing,
-      attention_windows=attention_windows)
+    logits_fn,
+    tokenizer,
+    tasks=config.tasks,
+    lengths=config.lengths,
+    depths=config.depths,
+    samples_per_cell=config.samples_per_cell,
+    seed=config.seed,
+    haystack=haystack,
+    held_out_haystack=held,
+    needle_removed_control=config.needle_removed_control,
+    window=config.window or None,
+    batch_size=config.batch_size,
+    length_multiple=config.length_multiple,
+    add_bos=config.add_bos,
+    held_out_phrasing=config.held_out_phrasing,
+    attention_windows=attention_windows,
+  )
   metrics = grid_metrics(records)
   main = [v for k, v in metrics.items() if k.endswith("/acc")]
   if main:
@@ -171,21 +189,34 @@ def run_evals(logits_fn: LogitsFn, tokenizer, *, config: EvalConfig, workdir: st
     window = config.window or length // 4
     if long_docs and config.context_tail < window < length:
       context = context_use(
-          logits_fn, long_docs, length=length, window=window,
-          tail=config.context_tail, batch_size=config.batch_size,
-          length_multiple=config.length_multiple,
-          key_threshold=config.key_threshold)
+        logits_fn,
+        long_docs,
+        length=length,
+        window=window,
+        tail=config.context_tail,
+        batch_size=config.batch_size,
+        length_multiple=config.length_multiple,
+        key_threshold=config.key_threshold,
+      )
       metrics.update(context_use_metrics(context))
     else:
-      _log.warning("context-use evals skipped: %d documents >= %d tokens, "
-                   "window %d, tail %d", len(long_docs), length, window,
-                   config.context_tail)
+      _log.warning(
+        "context-use evals skipped: %d documents >= %d tokens, window %d, tail %d",
+        len(long_docs),
+        length,
+        window,
+        config.context_tail,
+      )
   metrics["eval/seconds"] = time.time() - t0
 
   if write_files:
     _write_outputs(records, context, metrics, config, workdir, step)
-  _log.info("evals at step %d took %.1fs: %s", step, metrics["eval/seconds"],
-            {k: round(v, 3) for k, v in metrics.items() if k.endswith("acc")})
+  _log.info(
+    "evals at step %d took %.1fs: %s",
+    step,
+    metrics["eval/seconds"],
+    {k: round(v, 3) for k, v in metrics.items() if k.endswith("acc")},
+  )
   return metrics
 
 
@@ -194,15 +225,15 @@ def _write_outputs(records, context, metrics, config, workdir, step) -> None:
   stamped = os.path.join(top, f"step_{step:08d}")
   os.makedirs(stamped, exist_ok=True)
   _write_json(os.path.join(stamped, "retrieval.json"), records)
-  _write_json(os.path.join(stamped, "metrics.json"),
-              {"step": step, **metrics, "config": dataclasses.asdict(config)})
+  _write_json(
+    os.path.join(stamped, "metrics.json"),
+    {"step": step, **metrics, "config": dataclasses.asdict(config)},
+  )
   for task in dict.fromkeys(r["task"] for r in records):
-    plots.heatmap(records, task, os.path.join(stamped, f"retrieval_{task}.png"),
-                  step=step)
+    plots.heatmap(records, task, os.path.join(stamped, f"retrieval_{task}.png"), step=step)
   if context is not None:
     _write_json(os.path.join(stamped, "context_use.json"), context)
-    plots.position_loss_plot(context, os.path.join(stamped, "position_loss.png"),
-                             step=step)
+    plots.position_loss_plot(context, os.path.join(stamped, "position_loss.png"), step=step)
   with open(os.path.join(stamped, "summary.md"), "w") as f:
     f.write(plots.summary_markdown(records, context, metrics, step=step))
   latest = set(os.listdir(stamped))
@@ -212,6 +243,5 @@ def _write_outputs(records, context, metrics, config, workdir, step) -> None:
     os.replace(tmp, os.path.join(top, name))
   for name in os.listdir(top):  # drop outputs an earlier step wrote but this one did not
     path = os.path.join(top, name)
-    if (os.path.isfile(path) and name not in latest and
-        name.endswith((".json", ".png", ".md"))):
+    if os.path.isfile(path) and name not in latest and name.endswith((".json", ".png", ".md")):
       os.remove(path)

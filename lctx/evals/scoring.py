@@ -14,9 +14,10 @@ decoded tokens 0..i-1, which equal the gold ones exactly while the argmaxes have
 matched. So one forward pass per example gives greedy exact match; ties are
 broken like np.argmax (lowest id), as a greedy decoder using argmax would.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -27,8 +28,9 @@ def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def make_batch(rows: Sequence[np.ndarray], *, batch_size: int,
-               length_multiple: int = 1) -> dict[str, np.ndarray]:
+def make_batch(
+  rows: Sequence[np.ndarray], *, batch_size: int, length_multiple: int = 1
+) -> dict[str, np.ndarray]:
   """Right-pads token rows into `inputs, positions, segment_ids` int32
   [batch_size, T], T = round_up(max row length, length_multiple)."""
   if len(rows) > batch_size:
@@ -51,9 +53,14 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
   return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def token_scores(logits_fn: LogitsFn, sequences: Sequence[np.ndarray],
-                 target_masks: Sequence[np.ndarray], *, batch_size: int,
-                 length_multiple: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+def token_scores(
+  logits_fn: LogitsFn,
+  sequences: Sequence[np.ndarray],
+  target_masks: Sequence[np.ndarray],
+  *,
+  batch_size: int,
+  length_multiple: int = 1,
+) -> list[tuple[np.ndarray, np.ndarray]]:
   """Scores selected next-token targets of each sequence in one forward each.
 
   sequences[i] is int32 [T_i]; target_masks[i] is bool [T_i] marking positions
@@ -66,18 +73,22 @@ def token_scores(logits_fn: LogitsFn, sequences: Sequence[np.ndarray],
   out: list = [None] * len(sequences)
   order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
   for start in range(0, len(order), batch_size):
-    idx = order[start:start + batch_size]
-    batch = make_batch([sequences[i] for i in idx], batch_size=batch_size,
-                       length_multiple=length_multiple)
+    idx = order[start : start + batch_size]
+    batch = make_batch(
+      [sequences[i] for i in idx], batch_size=batch_size, length_multiple=length_multiple
+    )
     logits = np.asarray(logits_fn(batch))
     if logits.shape[:2] != batch["inputs"].shape:
-      raise ValueError(f"logits_fn returned {logits.shape}, expected "
-                       f"{batch['inputs'].shape + ('E',)}.")
+      raise ValueError(
+        f"logits_fn returned {logits.shape}, expected {batch['inputs'].shape + ('E',)}."
+      )
     top = max(int(np.max(sequences[i])) for i in idx)
     if top >= logits.shape[-1]:
-      raise ValueError(f"logits have E={logits.shape[-1]} entries but a token id "
-                       f"is {top}: the model's vocab_size must be at least the "
-                       "tokenizer's vocab_size.")
+      raise ValueError(
+        f"logits have E={logits.shape[-1]} entries but a token id "
+        f"is {top}: the model's vocab_size must be at least the "
+        "tokenizer's vocab_size."
+      )
     for row, i in enumerate(idx):
       seq, mask = np.asarray(sequences[i]), np.asarray(target_masks[i], bool)
       if mask.shape != seq.shape or (mask.size and mask[0]):
@@ -90,17 +101,25 @@ def token_scores(logits_fn: LogitsFn, sequences: Sequence[np.ndarray],
   return out
 
 
-def score_answers(logits_fn: LogitsFn, examples: Sequence, *, batch_size: int,
-                  length_multiple: int = 1) -> list[dict[str, float]]:
+def score_answers(
+  logits_fn: LogitsFn, examples: Sequence, *, batch_size: int, length_multiple: int = 1
+) -> list[dict[str, float]]:
   """Per example (anything with `tokens` [T] and `answer_start`):
   `exact` (1.0 iff greedy decoding would emit the whole answer), `loglik`
   (sum of answer-token log-probs, nats) and `token_acc` (teacher-forced)."""
   masks = []
   for ex in examples:
     m = np.zeros(len(ex.tokens), bool)
-    m[ex.answer_start:] = True
+    m[ex.answer_start :] = True
     masks.append(m)
-  scores = token_scores(logits_fn, [ex.tokens for ex in examples], masks,
-                        batch_size=batch_size, length_multiple=length_multiple)
-  return [{"exact": float(c.all()), "loglik": float(lp.sum()),
-           "token_acc": float(c.mean())} for lp, c in scores]
+  scores = token_scores(
+    logits_fn,
+    [ex.tokens for ex in examples],
+    masks,
+    batch_size=batch_size,
+    length_multiple=length_multiple,
+  )
+  return [
+    {"exact": float(c.all()), "loglik": float(lp.sum()), "token_acc": float(c.mean())}
+    for lp, c in scores
+  ]

@@ -26,30 +26,96 @@ structure, different words), so the grid can report a needle format the model
 never saw: a model that retrieves should carry over, one that learned the format
 will not.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from lctx.evals.haystack import Haystack, make_haystack
 
-TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue",
-         "variable_tracking")
+TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
 PHRASINGS = ("train", "held_out")
 EVAL_SEED_BASE = 1 << 62  # eval seeds are >= this; training seeds are below.
 
-_WORDS = (
-    "amber apple arrow autumn badge basket bishop blossom bottle breeze bronze "
-    "cactus candle canyon carbon castle cedar cherry cobalt comet copper coral "
-    "cotton crystal dagger desert dolphin dragon eagle ember falcon feather "
-    "forest garnet glacier granite harbor hazel helmet island ivory jasmine "
-    "jungle kettle lantern lemon lizard magnet maple marble meadow meteor "
-    "mirror orchid otter panther pepper pillow planet quartz raven ribbon "
-    "saddle salmon silver spider tiger timber tulip velvet violet walnut willow"
-).split()
+_WORDS = [
+  "amber",
+  "apple",
+  "arrow",
+  "autumn",
+  "badge",
+  "basket",
+  "bishop",
+  "blossom",
+  "bottle",
+  "breeze",
+  "bronze",
+  "cactus",
+  "candle",
+  "canyon",
+  "carbon",
+  "castle",
+  "cedar",
+  "cherry",
+  "cobalt",
+  "comet",
+  "copper",
+  "coral",
+  "cotton",
+  "crystal",
+  "dagger",
+  "desert",
+  "dolphin",
+  "dragon",
+  "eagle",
+  "ember",
+  "falcon",
+  "feather",
+  "forest",
+  "garnet",
+  "glacier",
+  "granite",
+  "harbor",
+  "hazel",
+  "helmet",
+  "island",
+  "ivory",
+  "jasmine",
+  "jungle",
+  "kettle",
+  "lantern",
+  "lemon",
+  "lizard",
+  "magnet",
+  "maple",
+  "marble",
+  "meadow",
+  "meteor",
+  "mirror",
+  "orchid",
+  "otter",
+  "panther",
+  "pepper",
+  "pillow",
+  "planet",
+  "quartz",
+  "raven",
+  "ribbon",
+  "saddle",
+  "salmon",
+  "silver",
+  "spider",
+  "tiger",
+  "timber",
+  "tulip",
+  "velvet",
+  "violet",
+  "walnut",
+  "willow",
+]
 _LETTERS = np.array(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
 
 
@@ -58,29 +124,30 @@ class RetrievalExample:
   """One example. `tokens` is int32 [length]; the answer is
   tokens[answer_start:], so the model scores it under teacher forcing from the
   logits at positions answer_start-1 .. length-2."""
+
   task: str
   tokens: np.ndarray
   answer_start: int
-  answer: str                 # gold answer text (what greedy decoding must emit)
+  answer: str  # gold answer text (what greedy decoding must emit)
   answer_items: tuple[str, ...]  # strings the context must hold for an answer
   needle_spans: tuple[tuple[int, int], ...]  # [start, end) of queried needles
-  depth_offset: int           # sequence offset of the depth-placed needle
+  depth_offset: int  # sequence offset of the depth-placed needle
   body_start: int
   body_len: int
   depth: float
   seed: int
   needle_removed: bool
   haystack: str
-  chance: float               # probability of guessing the answer uniformly
-  phrasing: str = "train"     # "train" or "held_out" (never in training data)
+  chance: float  # probability of guessing the answer uniformly
+  phrasing: str = "train"  # "train" or "held_out" (never in training data)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Needle:
   text: str
-  queried: bool    # removed in the needle-removed control
-  at_depth: bool   # the one placed at the requested depth
-  item: str = ""   # value this needle contributes to the answer (multivalue)
+  queried: bool  # removed in the needle-removed control
+  at_depth: bool  # the one placed at the requested depth
+  item: str = ""  # value this needle contributes to the answer (multivalue)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +161,7 @@ class _Spec:
 
 
 def _number(rng, digits: int) -> str:
-  return str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+  return str(int(rng.integers(10 ** (digits - 1), 10**digits)))
 
 
 def _distinct(rng, draw: Callable[[], str], n: int) -> list[str]:
@@ -121,10 +188,14 @@ def _niah_question(key: str, alt: bool) -> str:
   # RULER's question; the answer prefix ends like the needle ("for {key} is:")
   # instead of RULER's "... mentioned in the provided text is" (documented).
   if alt:
-    return (f" Which hidden number belongs to {key} in the text above? The "
-            f"hidden number that belongs to {key} is:")
-  return (f" What is the special magic number for {key} mentioned in the "
-          f"provided text? The special magic number for {key} is:")
+    return (
+      f" Which hidden number belongs to {key} in the text above? The "
+      f"hidden number that belongs to {key} is:"
+    )
+  return (
+    f" What is the special magic number for {key} mentioned in the "
+    f"provided text? The special magic number for {key} is:"
+  )
 
 
 def _passkey(rng, alt: bool) -> _Spec:
@@ -140,33 +211,45 @@ def _passkey(rng, alt: bool) -> _Spec:
 
 def _niah_single(rng, alt: bool) -> _Spec:
   key, value = _key(rng), _number(rng, 7)
-  return _Spec((_Needle(_niah_needle(key, value, alt), True, True),),
-               _niah_question(key, alt), f" {value}", (value,), 1 / 9e6)
+  return _Spec(
+    (_Needle(_niah_needle(key, value, alt), True, True),),
+    _niah_question(key, alt),
+    f" {value}",
+    (value,),
+    1 / 9e6,
+  )
 
 
 def _niah_multikey(rng, alt: bool, num_keys: int = 4) -> _Spec:
   keys = _distinct(rng, lambda: _key(rng), num_keys)
   values = _distinct(rng, lambda: _number(rng, 7), num_keys)
   needles = [_Needle(_niah_needle(keys[0], values[0], alt), True, True)]
-  needles += [_Needle(_niah_needle(k, v, alt), False, False)
-              for k, v in zip(keys[1:], values[1:])]
-  return _Spec(tuple(needles), _niah_question(keys[0], alt), f" {values[0]}",
-               (values[0],), 1 / 9e6)
+  needles += [_Needle(_niah_needle(k, v, alt), False, False) for k, v in zip(keys[1:], values[1:])]
+  return _Spec(tuple(needles), _niah_question(keys[0], alt), f" {values[0]}", (values[0],), 1 / 9e6)
 
 
 def _niah_multivalue(rng, alt: bool, num_values: int = 4) -> _Spec:
   key = _key(rng)
   values = _distinct(rng, lambda: _number(rng, 7), num_values)
-  needles = tuple(_Needle(_niah_needle(key, v, alt), True, i == 0, v)
-                  for i, v in enumerate(values))
+  needles = tuple(_Needle(_niah_needle(key, v, alt), True, i == 0, v) for i, v in enumerate(values))
   if alt:
-    question = (f" Which hidden numbers belong to {key} in the text above? The "
-                f"hidden numbers that belong to {key} are:")
+    question = (
+      f" Which hidden numbers belong to {key} in the text above? The "
+      f"hidden numbers that belong to {key} are:"
+    )
   else:
-    question = (f" What are all the special magic numbers for {key} mentioned "
-                f"in the provided text? The special magic numbers for {key} are:")
-  return _Spec(needles, question, " " + ", ".join(values), tuple(values),
-               (1 / 9e6) ** num_values, answer_in_order=True)
+    question = (
+      f" What are all the special magic numbers for {key} mentioned "
+      f"in the provided text? The special magic numbers for {key} are:"
+    )
+  return _Spec(
+    needles,
+    question,
+    " " + ", ".join(values),
+    tuple(values),
+    (1 / 9e6) ** num_values,
+    answer_in_order=True,
+  )
 
 
 def _variable_tracking(rng, alt: bool, num_vars: int = 5) -> _Spec:
@@ -174,24 +257,30 @@ def _variable_tracking(rng, alt: bool, num_vars: int = 5) -> _Spec:
   names = _distinct(rng, lambda: "".join(rng.choice(_LETTERS, 5)), num_vars)
   if alt:
     needles = [_Needle(f" LET {names[0]} BE {value}. ", True, True)]
-    needles += [_Needle(f" LET {b} BE {a}. ", True, False)
-                for a, b in zip(names[:-1], names[1:])]
-    question = (f" Which names end up holding {value} in the text above? The "
-                f"names holding {value} are:")
+    needles += [_Needle(f" LET {b} BE {a}. ", True, False) for a, b in zip(names[:-1], names[1:])]
+    question = (
+      f" Which names end up holding {value} in the text above? The names holding {value} are:"
+    )
   else:
     needles = [_Needle(f" VAR {names[0]} = {value}. ", True, True)]
-    needles += [_Needle(f" VAR {b} = VAR {a}. ", True, False)
-                for a, b in zip(names[:-1], names[1:])]
-    question = (f" Find all variables that are assigned the value {value} in "
-                f"the text above. The variables assigned the value {value} are:")
-  return _Spec(tuple(needles), question, " " + " ".join(names), tuple(names),
-               26.0 ** (-5 * num_vars))
+    needles += [
+      _Needle(f" VAR {b} = VAR {a}. ", True, False) for a, b in zip(names[:-1], names[1:])
+    ]
+    question = (
+      f" Find all variables that are assigned the value {value} in "
+      f"the text above. The variables assigned the value {value} are:"
+    )
+  return _Spec(
+    tuple(needles), question, " " + " ".join(names), tuple(names), 26.0 ** (-5 * num_vars)
+  )
 
 
 _BUILDERS: dict[str, Callable[[np.random.Generator, bool], _Spec]] = {
-    "passkey": _passkey, "niah_single": _niah_single,
-    "niah_multikey": _niah_multikey, "niah_multivalue": _niah_multivalue,
-    "variable_tracking": _variable_tracking,
+  "passkey": _passkey,
+  "niah_single": _niah_single,
+  "niah_multikey": _niah_multikey,
+  "niah_multivalue": _niah_multivalue,
+  "variable_tracking": _variable_tracking,
 }
 
 
@@ -202,8 +291,7 @@ def depth_offset(depth: float, body_len: int, needle_len: int) -> int:
   return int(round(depth * (body_len - needle_len)))
 
 
-def _place(rng, lengths: list[int], main: int, main_offset: int,
-           body_len: int) -> list[int]:
+def _place(rng, lengths: list[int], main: int, main_offset: int, body_len: int) -> list[int]:
   """Body offsets for needles of `lengths`; needle `main` at `main_offset`, the
   others at random non-overlapping offsets in the free space left or right."""
   regions = [[0, main_offset, []], [main_offset + lengths[main], body_len, []]]
@@ -213,8 +301,9 @@ def _place(rng, lengths: list[int], main: int, main_offset: int,
     fits = [f >= lengths[i] for f in free]
     if not any(fits):
       raise ValueError(
-          f"body of {body_len} tokens is too short for needles of {lengths} "
-          "tokens; use a longer length.")
+        f"body of {body_len} tokens is too short for needles of {lengths} "
+        "tokens; use a longer length."
+      )
     p = np.array([f if ok else 0 for f, ok in zip(free, fits)], dtype=np.float64)
     regions[int(rng.choice(2, p=p / p.sum()))][2].append(int(i))
   offsets = [0] * len(lengths)
@@ -230,9 +319,18 @@ def _place(rng, lengths: list[int], main: int, main_offset: int,
   return offsets
 
 
-def build_example(task: str, length: int, depth: float, seed: int, tokenizer,
-                  haystack: Haystack, *, needle_removed: bool = False,
-                  add_bos: bool = True, phrasing: str = "train") -> RetrievalExample:
+def build_example(
+  task: str,
+  length: int,
+  depth: float,
+  seed: int,
+  tokenizer,
+  haystack: Haystack,
+  *,
+  needle_removed: bool = False,
+  add_bos: bool = True,
+  phrasing: str = "train",
+) -> RetrievalExample:
   """Builds one example of exactly `length` tokens (see the module docstring).
   `phrasing` in PHRASINGS picks the needle and question wording."""
   if task not in _BUILDERS:
@@ -250,13 +348,13 @@ def build_example(task: str, length: int, depth: float, seed: int, tokenizer,
     lens = [n.size for n in needles]
     if body_len < sum(lens):
       raise ValueError(
-          f"{task}: length {length} leaves {body_len} body tokens but the "
-          f"needles need {sum(lens)}; use a length of at least "
-          f"{length - body_len + sum(lens) + 16}.")
+        f"{task}: length {length} leaves {body_len} body tokens but the "
+        f"needles need {sum(lens)}; use a length of at least "
+        f"{length - body_len + sum(lens) + 16}."
+      )
     filler = haystack.take(body_len, rng)
     main = next(i for i, n in enumerate(spec.needles) if n.at_depth)
-    offsets = _place(rng, lens, main, depth_offset(depth, body_len, lens[main]),
-                     body_len)
+    offsets = _place(rng, lens, main, depth_offset(depth, body_len, lens[main]), body_len)
     answer = spec.answer
     if spec.answer_in_order:
       order = sorted((o, n.item) for o, n in zip(offsets, spec.needles) if n.queried)
@@ -274,26 +372,36 @@ def build_example(task: str, length: int, depth: float, seed: int, tokenizer,
   spans = []
   for off, ids, nd in sorted(zip(offsets, needles, spec.needles), key=lambda x: x[0]):
     gap = off - cursor
-    body[cursor:off] = filler[taken:taken + gap]
+    body[cursor:off] = filler[taken : taken + gap]
     taken += gap
     if nd.queried:
       spans.append((prefix.size + off, prefix.size + off + ids.size))
     if needle_removed and nd.queried:
-      body[off:off + ids.size] = filler[taken:taken + ids.size]
+      body[off : off + ids.size] = filler[taken : taken + ids.size]
       taken += ids.size
     else:
-      body[off:off + ids.size] = ids
+      body[off : off + ids.size] = ids
     cursor = off + ids.size
-  body[cursor:] = filler[taken:taken + body_len - cursor]
+  body[cursor:] = filler[taken : taken + body_len - cursor]
   tokens = np.concatenate([prefix, body, q_ids, a_ids]).astype(np.int32)
   assert tokens.size == length, (tokens.size, length)
   return RetrievalExample(
-      task=task, tokens=tokens, answer_start=length - a_ids.size, answer=answer,
-      answer_items=spec.items, needle_spans=tuple(spans),
-      depth_offset=prefix.size + offsets[main], body_start=prefix.size,
-      body_len=body_len, depth=float(depth), seed=int(seed),
-      needle_removed=needle_removed, haystack=haystack.kind, chance=spec.chance,
-      phrasing=phrasing)
+    task=task,
+    tokens=tokens,
+    answer_start=length - a_ids.size,
+    answer=answer,
+    answer_items=spec.items,
+    needle_spans=tuple(spans),
+    depth_offset=prefix.size + offsets[main],
+    body_start=prefix.size,
+    body_len=body_len,
+    depth=float(depth),
+    seed=int(seed),
+    needle_removed=needle_removed,
+    haystack=haystack.kind,
+    chance=spec.chance,
+    phrasing=phrasing,
+  )
 
 
 def eval_seed(base_seed: int, *parts) -> int:
@@ -309,10 +417,16 @@ def draw_training_seed(rng: np.random.Generator) -> int:
   return int(rng.integers(0, EVAL_SEED_BASE))
 
 
-def make_training_example(task: str, length: int, rng: np.random.Generator,
-                          tokenizer=None, *, haystack: Haystack | None = None,
-                          add_bos: bool = True,
-                          answer_loss_only: bool = False) -> dict[str, np.ndarray]:
+def make_training_example(
+  task: str,
+  length: int,
+  rng: np.random.Generator,
+  tokenizer=None,
+  *,
+  haystack: Haystack | None = None,
+  add_bos: bool = True,
+  answer_loss_only: bool = False,
+) -> dict[str, np.ndarray]:
   """One training row for the data mixture, in the batch-contract layout.
 
   Draws a training seed (disjoint from eval seeds) and a depth uniform in
@@ -326,32 +440,50 @@ def make_training_example(task: str, length: int, rng: np.random.Generator,
   """
   if tokenizer is None:
     from lctx.data.tokenizers import ByteTokenizer  # tokenizer only, no pipeline
+
     tokenizer = ByteTokenizer()
   if haystack is None:
     haystack = make_haystack("noise", tokenizer)
   seed = draw_training_seed(rng)
-  ex = build_example(task, length, float(rng.random()), seed, tokenizer, haystack,
-                     add_bos=add_bos)
+  ex = build_example(task, length, float(rng.random()), seed, tokenizer, haystack, add_bos=add_bos)
   targets = np.concatenate([ex.tokens[1:], [tokenizer.eos_id]]).astype(np.int32)
   loss_mask = np.ones(length, np.float32)
   if answer_loss_only:
     loss_mask[:] = 0.0
-    loss_mask[ex.answer_start - 1:length - 1] = 1.0
-  return {"inputs": ex.tokens, "targets": targets,
-          "positions": np.arange(length, dtype=np.int32),
-          "segment_ids": np.ones(length, np.int32), "loss_mask": loss_mask,
-          "seed": np.int64(seed), "answer_start": np.int64(ex.answer_start)}
+    loss_mask[ex.answer_start - 1 : length - 1] = 1.0
+  return {
+    "inputs": ex.tokens,
+    "targets": targets,
+    "positions": np.arange(length, dtype=np.int32),
+    "segment_ids": np.ones(length, np.int32),
+    "loss_mask": loss_mask,
+    "seed": np.int64(seed),
+    "answer_start": np.int64(ex.answer_start),
+  }
 
 
-def training_example_at(task: str, length: int, index: int, *, seed: int = 0,
-                        tokenizer=None, haystack: Haystack | None = None,
-                        add_bos: bool = True,
-                        answer_loss_only: bool = False) -> dict[str, np.ndarray]:
+def training_example_at(
+  task: str,
+  length: int,
+  index: int,
+  *,
+  seed: int = 0,
+  tokenizer=None,
+  haystack: Haystack | None = None,
+  add_bos: bool = True,
+  answer_loss_only: bool = False,
+) -> dict[str, np.ndarray]:
   """Random-access form of make_training_example for index-based sources:
   a pure function of (task, length, index, seed), always with a training seed
   (< EVAL_SEED_BASE)."""
   key = repr(("train", int(seed), task, int(length), int(index))).encode()
   h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-  return make_training_example(task, length, np.random.default_rng(h), tokenizer,
-                               haystack=haystack, add_bos=add_bos,
-                               answer_loss_only=answer_loss_only)
+  return make_training_example(
+    task,
+    length,
+    np.random.default_rng(h),
+    tokenizer,
+    haystack=haystack,
+    add_bos=add_bos,
+    answer_loss_only=answer_loss_only,
+  )

@@ -7,185 +7,207 @@ in the forward pass and in the backward pass.
 
 Shapes: B batch, T length, D d_model, F MLP hidden, E vocab, c chunk.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 
 def _check_chunk_size(chunk_size) -> None:
-    if chunk_size is not None and int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be None or >= 1; got {chunk_size}")
+  if chunk_size is not None and int(chunk_size) < 1:
+    raise ValueError(f"chunk_size must be None or >= 1; got {chunk_size}")
 
 
 # ---------------------------------------------------------------------------
 # Chunked MLP
 # ---------------------------------------------------------------------------
 
+
 def chunked_mlp(fn: Callable[[jnp.ndarray], jnp.ndarray], x: jnp.ndarray, chunk_size):
-    """Applies a per-token function over sequence chunks of x.
+  """Applies a per-token function over sequence chunks of x.
 
-    Args:
-      fn: pure per-token function `[B, c, D] -> [B, c, D']` (it may close over
-        parameters; their gradients flow). It must not mix tokens.
-      x: `[B, T, D]`.
-      chunk_size: tokens per chunk along T; None or >= T applies fn once.
+  Args:
+    fn: pure per-token function `[B, c, D] -> [B, c, D']` (it may close over
+      parameters; their gradients flow). It must not mix tokens.
+    x: `[B, T, D]`.
+    chunk_size: tokens per chunk along T; None or >= T applies fn once.
 
-    Returns:
-      fn(x) `[B, T, D']`. Each chunk runs under jax.checkpoint inside lax.scan, so
-      the backward pass recomputes the chunk's hidden `[B, c, F]` rather than
-      storing `[B, T, F]`.
-    """
-    _check_chunk_size(chunk_size)
-    b, t = x.shape[:2]
-    if chunk_size is None or int(chunk_size) >= t:
-        return fn(x)
-    c = int(chunk_size)
-    n_chunks = -(-t // c)
-    pad = n_chunks * c - t
-    if pad:  # per-token fn: padded rows are computed and dropped
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    xs = jnp.moveaxis(x.reshape((b, n_chunks, c) + x.shape[2:]), 1, 0)  # [n, B, c, D]
-    step = jax.checkpoint(fn)
+  Returns:
+    fn(x) `[B, T, D']`. Each chunk runs under jax.checkpoint inside lax.scan, so
+    the backward pass recomputes the chunk's hidden `[B, c, F]` rather than
+    storing `[B, T, F]`.
+  """
+  _check_chunk_size(chunk_size)
+  b, t = x.shape[:2]
+  if chunk_size is None or int(chunk_size) >= t:
+    return fn(x)
+  c = int(chunk_size)
+  n_chunks = -(-t // c)
+  pad = n_chunks * c - t
+  if pad:  # per-token fn: padded rows are computed and dropped
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  xs = jnp.moveaxis(x.reshape((b, n_chunks, c) + x.shape[2:]), 1, 0)  # [n, B, c, D]
+  step = jax.checkpoint(fn)
 
-    def body(carry, xc):
-        return carry, step(xc)
+  def body(carry, xc):
+    return carry, step(xc)
 
-    _, ys = jax.lax.scan(body, None, xs)  # [n, B, c, D']
-    y = jnp.moveaxis(ys, 0, 1).reshape((b, n_chunks * c) + ys.shape[3:])
-    return y[:, :t] if pad else y
+  _, ys = jax.lax.scan(body, None, xs)  # [n, B, c, D']
+  y = jnp.moveaxis(ys, 0, 1).reshape((b, n_chunks * c) + ys.shape[3:])
+  return y[:, :t] if pad else y
 
 
 # ---------------------------------------------------------------------------
 # Cross-entropy
 # ---------------------------------------------------------------------------
 
-def reference_cross_entropy(hidden, unembed, targets, loss_mask, *, chunk_size=None,
-                            z_loss: float = 0.0):
-    """Unchunked cross-entropy; materialises `[B, T, E]` logits. Same contract as
-    chunked_cross_entropy (chunk_size is ignored)."""
-    del chunk_size
-    logits = jnp.einsum(
-        "btd,de->bte", hidden, unembed, preferred_element_type=jnp.float32,
-        precision=jax.lax.Precision.HIGHEST,
-    )
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
-    tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    w = loss_mask.astype(jnp.float32)
-    sum_loss = jnp.sum((lse - tgt) * w)
-    sum_z = z_loss * jnp.sum(jnp.square(lse) * w)
-    return sum_loss, sum_z, jnp.sum(w)
+
+def reference_cross_entropy(
+  hidden, unembed, targets, loss_mask, *, chunk_size=None, z_loss: float = 0.0
+):
+  """Unchunked cross-entropy; materialises `[B, T, E]` logits. Same contract as
+  chunked_cross_entropy (chunk_size is ignored)."""
+  del chunk_size
+  logits = jnp.einsum(
+    "btd,de->bte",
+    hidden,
+    unembed,
+    preferred_element_type=jnp.float32,
+    precision=jax.lax.Precision.HIGHEST,
+  )
+  lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+  tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  w = loss_mask.astype(jnp.float32)
+  sum_loss = jnp.sum((lse - tgt) * w)
+  sum_z = z_loss * jnp.sum(jnp.square(lse) * w)
+  return sum_loss, sum_z, jnp.sum(w)
 
 
 def _chunk_logits(h_c, unembed):
-    # [c, D] x [D, E] -> [c, E], float32 accumulation whatever the input dtype.
-    return jnp.einsum("cd,de->ce", h_c, unembed, preferred_element_type=jnp.float32,
-                      precision=jax.lax.Precision.HIGHEST)
+  # [c, D] x [D, E] -> [c, E], float32 accumulation whatever the input dtype.
+  return jnp.einsum(
+    "cd,de->ce",
+    h_c,
+    unembed,
+    preferred_element_type=jnp.float32,
+    precision=jax.lax.Precision.HIGHEST,
+  )
 
 
 def _ce_forward(h_chunks, unembed, t_chunks):
-    """Per-token lse and target logit, `[n, c]` each, one chunk of logits at a time."""
+  """Per-token lse and target logit, `[n, c]` each, one chunk of logits at a time."""
 
-    def body(_, xs):
-        h_c, t_c = xs
-        logits = _chunk_logits(h_c, unembed)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
-        return None, (lse, tgt)
+  def body(_, xs):
+    h_c, t_c = xs
+    logits = _chunk_logits(h_c, unembed)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
+    return None, (lse, tgt)
 
-    _, (lse, tgt) = jax.lax.scan(body, None, (h_chunks, t_chunks))
-    return lse, tgt
+  _, (lse, tgt) = jax.lax.scan(body, None, (h_chunks, t_chunks))
+  return lse, tgt
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ce_sums(h_chunks, unembed, t_chunks, w_chunks, z_loss):
-    lse, tgt = _ce_forward(h_chunks, unembed, t_chunks)
-    return jnp.sum((lse - tgt) * w_chunks), z_loss * jnp.sum(jnp.square(lse) * w_chunks)
+  lse, tgt = _ce_forward(h_chunks, unembed, t_chunks)
+  return jnp.sum((lse - tgt) * w_chunks), z_loss * jnp.sum(jnp.square(lse) * w_chunks)
 
 
 def _ce_sums_fwd(h_chunks, unembed, t_chunks, w_chunks, z_loss):
-    lse, tgt = _ce_forward(h_chunks, unembed, t_chunks)
-    out = (jnp.sum((lse - tgt) * w_chunks), z_loss * jnp.sum(jnp.square(lse) * w_chunks))
-    # Residuals are O(tokens): inputs plus per-token lse and target logit.
-    return out, (h_chunks, unembed, t_chunks, w_chunks, lse, tgt)
+  lse, tgt = _ce_forward(h_chunks, unembed, t_chunks)
+  out = (jnp.sum((lse - tgt) * w_chunks), z_loss * jnp.sum(jnp.square(lse) * w_chunks))
+  # Residuals are O(tokens): inputs plus per-token lse and target logit.
+  return out, (h_chunks, unembed, t_chunks, w_chunks, lse, tgt)
 
 
 def _ce_sums_bwd(z_loss, res, g):
-    h_chunks, unembed, t_chunks, w_chunks, lse, tgt = res
-    g_loss, g_z = g
-    e = unembed.shape[1]
+  h_chunks, unembed, t_chunks, w_chunks, lse, tgt = res
+  g_loss, g_z = g
+  e = unembed.shape[1]
 
-    def body(d_unembed, xs):
-        h_c, t_c, w_c, lse_c = xs
-        logits = _chunk_logits(h_c, unembed)  # recomputed, [c, E]
-        p = jnp.exp(logits - lse_c[:, None])
-        # d(lse - tgt)/dlogits = p - onehot; d(lse^2)/dlogits = 2 lse p.
-        coef_p = w_c * (g_loss + g_z * z_loss * 2.0 * lse_c)
-        d_logits = p * coef_p[:, None] - (
-            jax.nn.one_hot(t_c, e, dtype=jnp.float32) * (w_c * g_loss)[:, None]
-        )
-        d_logits = d_logits.astype(h_c.dtype)
-        d_h = jnp.einsum("ce,de->cd", d_logits, unembed, preferred_element_type=jnp.float32,
-                         precision=jax.lax.Precision.HIGHEST)
-        d_unembed = d_unembed + jnp.einsum(
-            "cd,ce->de", h_c, d_logits, preferred_element_type=jnp.float32,
-            precision=jax.lax.Precision.HIGHEST,
-        )
-        return d_unembed, d_h.astype(h_c.dtype)
+  def body(d_unembed, xs):
+    h_c, t_c, w_c, lse_c = xs
+    logits = _chunk_logits(h_c, unembed)  # recomputed, [c, E]
+    p = jnp.exp(logits - lse_c[:, None])
+    # d(lse - tgt)/dlogits = p - onehot; d(lse^2)/dlogits = 2 lse p.
+    coef_p = w_c * (g_loss + g_z * z_loss * 2.0 * lse_c)
+    d_logits = p * coef_p[:, None] - (
+      jax.nn.one_hot(t_c, e, dtype=jnp.float32) * (w_c * g_loss)[:, None]
+    )
+    d_logits = d_logits.astype(h_c.dtype)
+    d_h = jnp.einsum(
+      "ce,de->cd",
+      d_logits,
+      unembed,
+      preferred_element_type=jnp.float32,
+      precision=jax.lax.Precision.HIGHEST,
+    )
+    d_unembed = d_unembed + jnp.einsum(
+      "cd,ce->de",
+      h_c,
+      d_logits,
+      preferred_element_type=jnp.float32,
+      precision=jax.lax.Precision.HIGHEST,
+    )
+    return d_unembed, d_h.astype(h_c.dtype)
 
-    d_unembed0 = jnp.zeros(unembed.shape, jnp.float32)
-    d_unembed, d_h = jax.lax.scan(body, d_unembed0, (h_chunks, t_chunks, w_chunks, lse))
-    d_w = g_loss * (lse - tgt) + g_z * z_loss * jnp.square(lse)
-    return d_h, d_unembed.astype(unembed.dtype), None, d_w.astype(w_chunks.dtype)
+  d_unembed0 = jnp.zeros(unembed.shape, jnp.float32)
+  d_unembed, d_h = jax.lax.scan(body, d_unembed0, (h_chunks, t_chunks, w_chunks, lse))
+  d_w = g_loss * (lse - tgt) + g_z * z_loss * jnp.square(lse)
+  return d_h, d_unembed.astype(unembed.dtype), None, d_w.astype(w_chunks.dtype)
 
 
 _ce_sums.defvjp(_ce_sums_fwd, _ce_sums_bwd)
 
 
-def chunked_cross_entropy(hidden, unembed, targets, loss_mask, *, chunk_size,
-                          z_loss: float = 0.0):
-    """Softmax cross-entropy over `hidden @ unembed`, never holding `[B*T, E]` logits.
+def chunked_cross_entropy(hidden, unembed, targets, loss_mask, *, chunk_size, z_loss: float = 0.0):
+  """Softmax cross-entropy over `hidden @ unembed`, never holding `[B*T, E]` logits.
 
-    Args:
-      hidden: `[B, T, D]` final hidden states (after the final norm).
-      unembed: `[D, E]` output projection.
-      targets: int32 `[B, T]`.
-      loss_mask: `[B, T]` token weights (0 drops a token).
-      chunk_size: tokens per chunk (over the flattened B*T tokens); None or >= B*T
-        means one chunk.
-      z_loss: coefficient of the z-loss `z_loss * lse^2` (PaLM); 0 disables it.
+  Args:
+    hidden: `[B, T, D]` final hidden states (after the final norm).
+    unembed: `[D, E]` output projection.
+    targets: int32 `[B, T]`.
+    loss_mask: `[B, T]` token weights (0 drops a token).
+    chunk_size: tokens per chunk (over the flattened B*T tokens); None or >= B*T
+      means one chunk.
+    z_loss: coefficient of the z-loss `z_loss * lse^2` (PaLM); 0 disables it.
 
-    Returns:
-      float32 sums `(sum_loss, sum_z_loss, sum_weights)`: sum_loss = sum_t w_t
-      (lse_t - logit_t[target]), sum_z_loss = z_loss * sum_t w_t lse_t^2,
-      sum_weights = sum_t w_t. The caller divides (mean loss = (sum_loss +
-      sum_z_loss) / sum_weights). A custom VJP recomputes each chunk's logits in
-      the backward pass; gradients flow to hidden, unembed and loss_mask.
-    """
-    _check_chunk_size(chunk_size)
-    b, t, d = hidden.shape
-    if unembed.ndim != 2 or unembed.shape[0] != d:
-        raise ValueError(f"unembed must be [D={d}, E]; got {unembed.shape}")
-    if targets.shape != (b, t) or loss_mask.shape != (b, t):
-        raise ValueError(
-            f"targets {targets.shape} and loss_mask {loss_mask.shape} must be [B, T] = {(b, t)}"
-        )
-    tokens = b * t
-    c = tokens if chunk_size is None else min(int(chunk_size), tokens)
-    n_chunks = -(-tokens // c)
-    pad = n_chunks * c - tokens
-    h = hidden.reshape(tokens, d)
-    tg = targets.reshape(tokens).astype(jnp.int32)
-    w = loss_mask.reshape(tokens).astype(jnp.float32)
-    if pad:  # padded tokens carry weight 0
-        h = jnp.pad(h, [(0, pad), (0, 0)])
-        tg = jnp.pad(tg, [(0, pad)])
-        w = jnp.pad(w, [(0, pad)])
-    sum_loss, sum_z = _ce_sums(
-        h.reshape(n_chunks, c, d), unembed, tg.reshape(n_chunks, c),
-        w.reshape(n_chunks, c), float(z_loss),
+  Returns:
+    float32 sums `(sum_loss, sum_z_loss, sum_weights)`: sum_loss = sum_t w_t
+    (lse_t - logit_t[target]), sum_z_loss = z_loss * sum_t w_t lse_t^2,
+    sum_weights = sum_t w_t. The caller divides (mean loss = (sum_loss +
+    sum_z_loss) / sum_weights). A custom VJP recomputes each chunk's logits in
+    the backward pass; gradients flow to hidden, unembed and loss_mask.
+  """
+  _check_chunk_size(chunk_size)
+  b, t, d = hidden.shape
+  if unembed.ndim != 2 or unembed.shape[0] != d:
+    raise ValueError(f"unembed must be [D={d}, E]; got {unembed.shape}")
+  if targets.shape != (b, t) or loss_mask.shape != (b, t):
+    raise ValueError(
+      f"targets {targets.shape} and loss_mask {loss_mask.shape} must be [B, T] = {(b, t)}"
     )
-    return sum_loss, sum_z, jnp.sum(w)
+  tokens = b * t
+  c = tokens if chunk_size is None else min(int(chunk_size), tokens)
+  n_chunks = -(-tokens // c)
+  pad = n_chunks * c - tokens
+  h = hidden.reshape(tokens, d)
+  tg = targets.reshape(tokens).astype(jnp.int32)
+  w = loss_mask.reshape(tokens).astype(jnp.float32)
+  if pad:  # padded tokens carry weight 0
+    h = jnp.pad(h, [(0, pad), (0, 0)])
+    tg = jnp.pad(tg, [(0, pad)])
+    w = jnp.pad(w, [(0, pad)])
+  sum_loss, sum_z = _ce_sums(
+    h.reshape(n_chunks, c, d),
+    unembed,
+    tg.reshape(n_chunks, c),
+    w.reshape(n_chunks, c),
+    float(z_loss),
+  )
+  return sum_loss, sum_z, jnp.sum(w)

@@ -12,6 +12,7 @@ masking.py (segments, causal, window on explicit positions), GQA/MQA. One call
 runs on one device's shard (inside shard_map that is the local block), single
 threaded: on the fake-device CPU mesh every device already has its own thread.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,244 +40,344 @@ _Q_MULT, _KV_MULT = 8, 64  # the kernel's length granules (cpu_attention.cc)
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+  for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
 
 
 def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return line
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("LCTX_KERNEL_CACHE",
-                               Path.home() / ".cache" / "lctx" / "kernels"))
+  return Path(os.environ.get("LCTX_KERNEL_CACHE", Path.home() / ".cache" / "lctx" / "kernels"))
 
 
 def _build() -> Path:
-    """Compiles (or finds cached) the shared library; raises RuntimeError why not."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
-    include = jax.ffi.include_dir()
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), (Path(include) / "xla/ffi/api/ffi.h").read_bytes(),
-                 jax.__version__.encode(), cxx.encode(), " ".join(flags).encode(),
-                 _cpu_id().encode()):
-        key.update(part)
-    out = _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent builders never see half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *flags, f"-I{include}", str(_SOURCE), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n"
-                           f"{proc.stderr[-2000:]}")
-    os.replace(tmp, out)
+  """Compiles (or finds cached) the shared library; raises RuntimeError why not."""
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+  include = jax.ffi.include_dir()
+  flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+  key = hashlib.sha256()
+  for part in (
+    _SOURCE.read_bytes(),
+    (Path(include) / "xla/ffi/api/ffi.h").read_bytes(),
+    jax.__version__.encode(),
+    cxx.encode(),
+    " ".join(flags).encode(),
+    _cpu_id().encode(),
+  ):
+    key.update(part)
+  out = _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+  if out.exists():
     return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  # Build beside the target and rename: concurrent builders never see half a file.
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  os.close(fd)
+  cmd = [cxx, *flags, f"-I{include}", str(_SOURCE), "-o", tmp]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode != 0:
+    os.unlink(tmp)
+    raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-2000:]}")
+  os.replace(tmp, out)
+  return out
 
 
 @functools.cache
 def _load() -> tuple[bool, str]:
-    """(available, reason). Registers the FFI targets once per process."""
-    if os.environ.get("LCTX_DISABLE_CPU_KERNEL"):
-        return False, "disabled by LCTX_DISABLE_CPU_KERNEL"
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-    except (RuntimeError, OSError) as e:
-        return False, str(e)
-    jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.LctxCpuAttentionForward),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.LctxCpuAttentionBackward),
-                                platform="cpu")
-    return True, ""
+  """(available, reason). Registers the FFI targets once per process."""
+  if os.environ.get("LCTX_DISABLE_CPU_KERNEL"):
+    return False, "disabled by LCTX_DISABLE_CPU_KERNEL"
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(_build()))
+  except (RuntimeError, OSError) as e:
+    return False, str(e)
+  jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.LctxCpuAttentionForward), platform="cpu")
+  jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.LctxCpuAttentionBackward), platform="cpu")
+  return True, ""
 
 
 def available() -> bool:
-    """True when the fused kernel is built and registered (compiles on first call)."""
-    return _load()[0]
+  """True when the fused kernel is built and registered (compiles on first call)."""
+  return _load()[0]
 
 
 def unavailable_reason() -> str:
-    return _load()[1]
+  return _load()[1]
 
 
 def auto_applies(q, k, v) -> bool:
-    """Whether backend "auto" takes this kernel: the CPU backend, inputs it takes,
-    and the kernel built here."""
-    return jax.default_backend() == "cpu" and not unsupported(q, k, v) and available()
+  """Whether backend "auto" takes this kernel: the CPU backend, inputs it takes,
+  and the kernel built here."""
+  return jax.default_backend() == "cpu" and not unsupported(q, k, v) and available()
 
 
 def unsupported(q, k, v) -> str:
-    """Why these inputs cannot use the kernel ('' if they can)."""
-    _, _, _, _, _, h, vd = check_shapes(q, k, v)
-    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-    if dtypes != {jnp.dtype(jnp.float32)}:
-        return f"the fused CPU kernel takes float32 q/k/v (got {sorted(map(str, dtypes))})"
-    if h % 16 or vd % 16:
-        return f"the fused CPU kernel needs head dims that are multiples of 16 (got {h}, {vd})"
-    return ""
+  """Why these inputs cannot use the kernel ('' if they can)."""
+  _, _, _, _, _, h, vd = check_shapes(q, k, v)
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if dtypes != {jnp.dtype(jnp.float32)}:
+    return f"the fused CPU kernel takes float32 q/k/v (got {sorted(map(str, dtypes))})"
+  if h % 16 or vd % 16:
+    return f"the fused CPU kernel needs head dims that are multiples of 16 (got {h}, {vd})"
+  return ""
 
 
 class _Cfg(NamedTuple):
-    causal: bool
-    window: int  # 0: none
-    scale: float
-    block_q: int
-    block_kv: int
-    block_q_bwd: int
-    block_kv_bwd: int
+  causal: bool
+  window: int  # 0: none
+  scale: float
+  block_q: int
+  block_kv: int
+  block_q_bwd: int
+  block_kv_bwd: int
 
 
 def _round_block(block: int, mult: int, length: int) -> int:
-    return max(mult, min(block, length) // mult * mult)
+  return max(mult, min(block, length) // mult * mult)
 
 
 def _attrs(cfg: _Cfg, backward: bool):
-    return dict(causal=np.int64(cfg.causal), window=np.int64(cfg.window),
-                scale=np.float32(cfg.scale),
-                block_q=np.int64(cfg.block_q_bwd if backward else cfg.block_q),
-                block_kv=np.int64(cfg.block_kv_bwd if backward else cfg.block_kv))
+  return dict(
+    causal=np.int64(cfg.causal),
+    window=np.int64(cfg.window),
+    scale=np.float32(cfg.scale),
+    block_q=np.int64(cfg.block_q_bwd if backward else cfg.block_q),
+    block_kv=np.int64(cfg.block_kv_bwd if backward else cfg.block_kv),
+  )
 
 
 def _fwd_call(q, k, v, mask_arrays, cfg: _Cfg):
-    b, t, n, _ = q.shape
-    vd = v.shape[-1]
-    call = jax.ffi.ffi_call(
-        _FWD, (jax.ShapeDtypeStruct((b, t, n, vd), jnp.float32),
-               jax.ShapeDtypeStruct((b, n, t), jnp.float32)), vmap_method="sequential")
-    out, lse = call(q, k, v, *mask_arrays, **_attrs(cfg, False))
-    # Inside shard_map, FFI results carry no device-varying type: give them the inputs'.
-    return tuple(_varying_like(x, q, k, v, *mask_arrays) for x in (out, lse))
+  b, t, n, _ = q.shape
+  vd = v.shape[-1]
+  call = jax.ffi.ffi_call(
+    _FWD,
+    (
+      jax.ShapeDtypeStruct((b, t, n, vd), jnp.float32),
+      jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+    ),
+    vmap_method="sequential",
+  )
+  out, lse = call(q, k, v, *mask_arrays, **_attrs(cfg, False))
+  # Inside shard_map, FFI results carry no device-varying type: give them the inputs'.
+  return tuple(_varying_like(x, q, k, v, *mask_arrays) for x in (out, lse))
 
 
 def _bwd_call(q, k, v, dout, lse, delta, mask_arrays, cfg: _Cfg):
-    """(dq, dk, dv) f32 given lse and delta = rowsum(dout * out) - dlse, `[B, N, T]`."""
-    call = jax.ffi.ffi_call(
-        _BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-               jax.ShapeDtypeStruct(k.shape, jnp.float32),
-               jax.ShapeDtypeStruct(v.shape, jnp.float32)), vmap_method="sequential")
-    dq, dk, dv = call(q, k, v, dout, lse, delta, *mask_arrays, **_attrs(cfg, True))
-    return tuple(_varying_like(x, q, k, v, dout, lse, delta, *mask_arrays)
-                 for x in (dq, dk, dv))
+  """(dq, dk, dv) f32 given lse and delta = rowsum(dout * out) - dlse, `[B, N, T]`."""
+  call = jax.ffi.ffi_call(
+    _BWD,
+    (
+      jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      jax.ShapeDtypeStruct(k.shape, jnp.float32),
+      jax.ShapeDtypeStruct(v.shape, jnp.float32),
+    ),
+    vmap_method="sequential",
+  )
+  dq, dk, dv = call(q, k, v, dout, lse, delta, *mask_arrays, **_attrs(cfg, True))
+  return tuple(_varying_like(x, q, k, v, dout, lse, delta, *mask_arrays) for x in (dq, dk, dv))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fused(q, k, v, mask_arrays, cfg: _Cfg):
-    return _fwd_call(q, k, v, mask_arrays, cfg)
+  return _fwd_call(q, k, v, mask_arrays, cfg)
 
 
 def _fused_fwd(q, k, v, mask_arrays, cfg):
-    out, lse = _fwd_call(q, k, v, mask_arrays, cfg)
-    return (out, lse), (q, k, v, out, lse, mask_arrays)
+  out, lse = _fwd_call(q, k, v, mask_arrays, cfg)
+  return (out, lse), (q, k, v, out, lse, mask_arrays)
 
 
 def _fused_bwd(cfg, res, cts):
-    q, k, v, out, lse, mask_arrays = res
-    dout, dlse = cts
-    delta = jnp.sum(dout * out, axis=-1).transpose(0, 2, 1) - dlse  # [B, N, T]
-    dq, dk, dv = _bwd_call(q, k, v, dout, lse, delta, mask_arrays, cfg)
-    every = (q, k, v, dout, *mask_arrays)
-    dq, dk, dv = (cotangent_like(ct, p, *every) for ct, p in zip((dq, dk, dv), (q, k, v)))
-    zeros = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), mask_arrays)
-    return dq, dk, dv, zeros
+  q, k, v, out, lse, mask_arrays = res
+  dout, dlse = cts
+  delta = jnp.sum(dout * out, axis=-1).transpose(0, 2, 1) - dlse  # [B, N, T]
+  dq, dk, dv = _bwd_call(q, k, v, dout, lse, delta, mask_arrays, cfg)
+  every = (q, k, v, dout, *mask_arrays)
+  dq, dk, dv = (cotangent_like(ct, p, *every) for ct, p in zip((dq, dk, dv), (q, k, v)))
+  zeros = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), mask_arrays)
+  return dq, dk, dv, zeros
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _setup(q, k, v, segment_ids, q_positions, kv_positions, causal, window_size,
-           softmax_scale, block_q, block_kv, block_q_bwd=None, block_kv_bwd=None):
-    """Validates and pads to the kernel's granules (q: 8 rows, kv: 64 keys; padding
-    gets segment 0, so it is invisible). Returns (q, k, v, mask_arrays, cfg) padded."""
-    b, t, s, _, _, h, _ = check_shapes(q, k, v)
-    if jax.default_backend() != "cpu":
-        raise ValueError("backend='cpu' runs on the XLA CPU backend only; this process "
-                         f"computes on {jax.default_backend()!r}")
-    why = unsupported(q, k, v)
-    if why:
-        raise ValueError(f"backend='cpu': {why}")
-    ok, reason = _load()
-    if not ok:
-        raise RuntimeError(f"backend='cpu': the fused CPU kernel is unavailable: {reason}")
-    blocks = dict(block_q=block_q, block_kv=block_kv, block_q_bwd=block_q_bwd,
-                  block_kv_bwd=block_kv_bwd)
-    bad = {k_: b_ for k_, b_ in blocks.items() if b_ is not None and int(b_) < 1}
-    if bad:
-        raise ValueError(f"backend='cpu': block sizes must be >= 1; got {bad}")
-    mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)
-    tp, sp = -(-t // _Q_MULT) * _Q_MULT, -(-s // _KV_MULT) * _KV_MULT
-    q_seg = mask.q_segment_ids if mask.q_segment_ids is not None else jnp.ones((b, t), jnp.int32)
-    kv_seg = (mask.kv_segment_ids if mask.kv_segment_ids is not None
-              else jnp.ones((b, s), jnp.int32))
-    mask_arrays = (_pad_len(mask.q_positions, tp, 1), _pad_len(q_seg, tp, 1),
-                   _pad_len(mask.kv_positions, sp, 1), _pad_len(kv_seg, sp, 1))
-    cfg = _Cfg(bool(causal), 0 if window_size is None else int(window_size),
-               default_scale(h, softmax_scale),
-               _round_block(block_q, _Q_MULT, tp), _round_block(block_kv, _KV_MULT, sp),
-               _round_block(block_q_bwd or block_q, _Q_MULT, tp),
-               _round_block(block_kv_bwd or block_kv, _KV_MULT, sp))
-    return _pad_len(q, tp, 1), _pad_len(k, sp, 1), _pad_len(v, sp, 1), mask_arrays, cfg
+def _setup(
+  q,
+  k,
+  v,
+  segment_ids,
+  q_positions,
+  kv_positions,
+  causal,
+  window_size,
+  softmax_scale,
+  block_q,
+  block_kv,
+  block_q_bwd=None,
+  block_kv_bwd=None,
+):
+  """Validates and pads to the kernel's granules (q: 8 rows, kv: 64 keys; padding
+  gets segment 0, so it is invisible). Returns (q, k, v, mask_arrays, cfg) padded."""
+  b, t, s, _, _, h, _ = check_shapes(q, k, v)
+  if jax.default_backend() != "cpu":
+    raise ValueError(
+      "backend='cpu' runs on the XLA CPU backend only; this process "
+      f"computes on {jax.default_backend()!r}"
+    )
+  why = unsupported(q, k, v)
+  if why:
+    raise ValueError(f"backend='cpu': {why}")
+  ok, reason = _load()
+  if not ok:
+    raise RuntimeError(f"backend='cpu': the fused CPU kernel is unavailable: {reason}")
+  blocks = dict(
+    block_q=block_q, block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd
+  )
+  bad = {k_: b_ for k_, b_ in blocks.items() if b_ is not None and int(b_) < 1}
+  if bad:
+    raise ValueError(f"backend='cpu': block sizes must be >= 1; got {bad}")
+  mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)
+  tp, sp = -(-t // _Q_MULT) * _Q_MULT, -(-s // _KV_MULT) * _KV_MULT
+  q_seg = mask.q_segment_ids if mask.q_segment_ids is not None else jnp.ones((b, t), jnp.int32)
+  kv_seg = mask.kv_segment_ids if mask.kv_segment_ids is not None else jnp.ones((b, s), jnp.int32)
+  mask_arrays = (
+    _pad_len(mask.q_positions, tp, 1),
+    _pad_len(q_seg, tp, 1),
+    _pad_len(mask.kv_positions, sp, 1),
+    _pad_len(kv_seg, sp, 1),
+  )
+  cfg = _Cfg(
+    bool(causal),
+    0 if window_size is None else int(window_size),
+    default_scale(h, softmax_scale),
+    _round_block(block_q, _Q_MULT, tp),
+    _round_block(block_kv, _KV_MULT, sp),
+    _round_block(block_q_bwd or block_q, _Q_MULT, tp),
+    _round_block(block_kv_bwd or block_kv, _KV_MULT, sp),
+  )
+  return _pad_len(q, tp, 1), _pad_len(k, sp, 1), _pad_len(v, sp, 1), mask_arrays, cfg
 
 
-def cpu_fused_attention(q, k, v, *, segment_ids=None, q_positions=None, kv_positions=None,
-                        causal=True, window_size=None, softmax_scale=None, return_lse=False,
-                        block_q=64, block_kv=256, block_q_bwd=None, block_kv_bwd=None):
-    """Same contract as `lctx.kernels.reference_attention` (out `[B, T, N, V]`, and
-    lse `[B, N, T]` f32 when return_lse; differentiable through both). Blocks are
-    rounded down to the kernel's granules (q: 8 rows, kv: 64 keys)."""
-    t = q.shape[1]
-    qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, segment_ids, q_positions, kv_positions,
-                                          causal, window_size, softmax_scale, block_q,
-                                          block_kv, block_q_bwd, block_kv_bwd)
-    out, lse = _fused(qp, kp, vp, mask_arrays, cfg)
-    out, lse = out[:, :t], lse[:, :, :t]
-    return (out, lse) if return_lse else out
+def cpu_fused_attention(
+  q,
+  k,
+  v,
+  *,
+  segment_ids=None,
+  q_positions=None,
+  kv_positions=None,
+  causal=True,
+  window_size=None,
+  softmax_scale=None,
+  return_lse=False,
+  block_q=64,
+  block_kv=256,
+  block_q_bwd=None,
+  block_kv_bwd=None,
+):
+  """Same contract as `lctx.kernels.reference_attention` (out `[B, T, N, V]`, and
+  lse `[B, N, T]` f32 when return_lse; differentiable through both). Blocks are
+  rounded down to the kernel's granules (q: 8 rows, kv: 64 keys)."""
+  t = q.shape[1]
+  qp, kp, vp, mask_arrays, cfg = _setup(
+    q,
+    k,
+    v,
+    segment_ids,
+    q_positions,
+    kv_positions,
+    causal,
+    window_size,
+    softmax_scale,
+    block_q,
+    block_kv,
+    block_q_bwd,
+    block_kv_bwd,
+  )
+  out, lse = _fused(qp, kp, vp, mask_arrays, cfg)
+  out, lse = out[:, :t], lse[:, :, :t]
+  return (out, lse) if return_lse else out
 
 
-def cpu_block_forward(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                      causal, window_size, softmax_scale, block_q, block_kv):
-    """`lctx.kernels.attention_block_forward` on the fused kernel (same contract: out
-    f32 normalised within this K/V block, lse f32; not differentiable by itself)."""
-    t = q.shape[1]
-    seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-    qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, seg, q_positions, kv_positions, causal,
-                                          window_size, softmax_scale, block_q, block_kv)
-    out, lse = _fwd_call(qp, kp, vp, mask_arrays, cfg)
-    return out[:, :t], lse[:, :, :t]
+def cpu_block_forward(
+  q,
+  k,
+  v,
+  *,
+  q_segment_ids,
+  kv_segment_ids,
+  q_positions,
+  kv_positions,
+  causal,
+  window_size,
+  softmax_scale,
+  block_q,
+  block_kv,
+):
+  """`lctx.kernels.attention_block_forward` on the fused kernel (same contract: out
+  f32 normalised within this K/V block, lse f32; not differentiable by itself)."""
+  t = q.shape[1]
+  seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+  qp, kp, vp, mask_arrays, cfg = _setup(
+    q, k, v, seg, q_positions, kv_positions, causal, window_size, softmax_scale, block_q, block_kv
+  )
+  out, lse = _fwd_call(qp, kp, vp, mask_arrays, cfg)
+  return out[:, :t], lse[:, :, :t]
 
 
-def cpu_block_backward(q, k, v, out, lse, dout, *, q_segment_ids, kv_segment_ids,
-                       q_positions, kv_positions, causal, window_size, softmax_scale,
-                       block_q, block_kv):
-    """`lctx.kernels.attention_block_backward` on the fused kernel: FA2 gradients of
-    one K/V block against the GLOBAL out/lse; (dq, dk, dv) f32."""
-    t, s = q.shape[1], k.shape[1]
-    seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-    qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, seg, q_positions, kv_positions, causal,
-                                          window_size, softmax_scale, block_q, block_kv)
-    tp = qp.shape[1]
-    dout = dout.astype(jnp.float32)
-    delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # [B, N, T]
-    lse = _pad_len(lse.astype(jnp.float32), tp, 2)
-    dq, dk, dv = _bwd_call(qp, kp, vp, _pad_len(dout, tp, 1), lse, _pad_len(delta, tp, 2),
-                           mask_arrays, cfg)
-    return dq[:, :t], dk[:, :s], dv[:, :s]
+def cpu_block_backward(
+  q,
+  k,
+  v,
+  out,
+  lse,
+  dout,
+  *,
+  q_segment_ids,
+  kv_segment_ids,
+  q_positions,
+  kv_positions,
+  causal,
+  window_size,
+  softmax_scale,
+  block_q,
+  block_kv,
+):
+  """`lctx.kernels.attention_block_backward` on the fused kernel: FA2 gradients of
+  one K/V block against the GLOBAL out/lse; (dq, dk, dv) f32."""
+  t, s = q.shape[1], k.shape[1]
+  seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+  qp, kp, vp, mask_arrays, cfg = _setup(
+    q, k, v, seg, q_positions, kv_positions, causal, window_size, softmax_scale, block_q, block_kv
+  )
+  tp = qp.shape[1]
+  dout = dout.astype(jnp.float32)
+  delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # [B, N, T]
+  lse = _pad_len(lse.astype(jnp.float32), tp, 2)
+  dq, dk, dv = _bwd_call(
+    qp, kp, vp, _pad_len(dout, tp, 1), lse, _pad_len(delta, tp, 2), mask_arrays, cfg
+  )
+  return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
-__all__ = ["auto_applies", "available", "cpu_block_backward", "cpu_block_forward",
-           "cpu_fused_attention", "unavailable_reason", "unsupported"]
+__all__ = [
+  "auto_applies",
+  "available",
+  "cpu_block_backward",
+  "cpu_block_forward",
+  "cpu_fused_attention",
+  "unavailable_reason",
+  "unsupported",
+]

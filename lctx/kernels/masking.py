@@ -13,6 +13,7 @@ The mask semantics (one definition, used by the reference and by every kernel):
 
 Shapes: q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, V]`.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -25,106 +26,104 @@ MASKED_LSE = -1e30
 
 
 class MaskArgs(NamedTuple):
-    """Normalised mask inputs. All int32.
+  """Normalised mask inputs. All int32.
 
-    q_segment_ids `[B, T]`, kv_segment_ids `[B, S]` (None: no segments),
-    q_positions `[B, T]`, kv_positions `[B, S]`.
-    """
+  q_segment_ids `[B, T]`, kv_segment_ids `[B, S]` (None: no segments),
+  q_positions `[B, T]`, kv_positions `[B, S]`.
+  """
 
-    q_segment_ids: jnp.ndarray | None
-    kv_segment_ids: jnp.ndarray | None
-    q_positions: jnp.ndarray
-    kv_positions: jnp.ndarray
+  q_segment_ids: jnp.ndarray | None
+  kv_segment_ids: jnp.ndarray | None
+  q_positions: jnp.ndarray
+  kv_positions: jnp.ndarray
 
 
 def _as_batched(x, batch: int, length: int, name: str) -> jnp.ndarray:
-    x = jnp.asarray(x)
-    if x.ndim == 1:
-        x = x[None, :]
-    if x.ndim != 2 or x.shape[-1] != length or x.shape[0] not in (1, batch):
-        raise ValueError(
-            f"{name} must be [batch={batch}, len={length}] (or [len]); got shape {x.shape}"
-        )
-    return jnp.broadcast_to(x.astype(jnp.int32), (batch, length))
+  x = jnp.asarray(x)
+  if x.ndim == 1:
+    x = x[None, :]
+  if x.ndim != 2 or x.shape[-1] != length or x.shape[0] not in (1, batch):
+    raise ValueError(
+      f"{name} must be [batch={batch}, len={length}] (or [len]); got shape {x.shape}"
+    )
+  return jnp.broadcast_to(x.astype(jnp.int32), (batch, length))
 
 
 def check_shapes(q, k, v) -> tuple[int, int, int, int, int, int, int]:
-    """Validates q/k/v shapes; returns (B, T, S, N, K, H, V)."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            "q, k, v must be rank 4 ([batch, len, heads, head_dim]); got ranks "
-            f"{q.ndim}, {k.ndim}, {v.ndim}"
-        )
-    b, t, n, h = q.shape
-    bk, s, kh, hk = k.shape
-    bv, sv, kv_heads_v, vd = v.shape
-    if bk != b or bv != b:
-        raise ValueError(f"batch sizes differ: q {b}, k {bk}, v {bv}")
-    if sv != s or kv_heads_v != kh:
-        raise ValueError(f"k {k.shape} and v {v.shape} must share [batch, len, heads]")
-    if hk != h:
-        raise ValueError(f"q head_dim {h} != k head_dim {hk}")
-    if kh == 0 or n % kh != 0:
-        raise ValueError(
-            f"q_heads ({n}) must be a multiple of kv_heads ({kh}) for GQA/MQA grouping"
-        )
-    return b, t, s, n, kh, h, vd
+  """Validates q/k/v shapes; returns (B, T, S, N, K, H, V)."""
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(
+      "q, k, v must be rank 4 ([batch, len, heads, head_dim]); got ranks "
+      f"{q.ndim}, {k.ndim}, {v.ndim}"
+    )
+  b, t, n, h = q.shape
+  bk, s, kh, hk = k.shape
+  bv, sv, kv_heads_v, vd = v.shape
+  if bk != b or bv != b:
+    raise ValueError(f"batch sizes differ: q {b}, k {bk}, v {bv}")
+  if sv != s or kv_heads_v != kh:
+    raise ValueError(f"k {k.shape} and v {v.shape} must share [batch, len, heads]")
+  if hk != h:
+    raise ValueError(f"q head_dim {h} != k head_dim {hk}")
+  if kh == 0 or n % kh != 0:
+    raise ValueError(f"q_heads ({n}) must be a multiple of kv_heads ({kh}) for GQA/MQA grouping")
+  return b, t, s, n, kh, h, vd
 
 
 def normalize_mask_args(
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    segment_ids=None,
-    q_positions=None,
-    kv_positions=None,
-    window_size=None,
+  batch: int,
+  q_len: int,
+  kv_len: int,
+  segment_ids=None,
+  q_positions=None,
+  kv_positions=None,
+  window_size=None,
 ) -> MaskArgs:
-    """Turns the public mask arguments into MaskArgs (see module docstring)."""
-    if window_size is not None and int(window_size) < 1:
-        raise ValueError(f"window_size must be None or >= 1; got {window_size}")
-    q_seg = kv_seg = None
-    if segment_ids is not None:
-        if isinstance(segment_ids, (tuple, list)):
-            if len(segment_ids) != 2:
-                raise ValueError("segment_ids pair must be (q_segment_ids, kv_segment_ids)")
-            q_seg, kv_seg = segment_ids
-        else:
-            if q_len != kv_len:
-                raise ValueError(
-                    f"a single segment_ids array needs q_len == kv_len (got {q_len} vs "
-                    f"{kv_len}); pass a (q_ids, kv_ids) pair instead"
-                )
-            q_seg = kv_seg = segment_ids
-        q_seg = _as_batched(q_seg, batch, q_len, "q segment_ids")
-        kv_seg = _as_batched(kv_seg, batch, kv_len, "kv segment_ids")
-    if q_positions is None:
-        q_positions = jnp.arange(q_len, dtype=jnp.int32)
-    if kv_positions is None:
-        kv_positions = jnp.arange(kv_len, dtype=jnp.int32)
-    q_pos = _as_batched(q_positions, batch, q_len, "q_positions")
-    kv_pos = _as_batched(kv_positions, batch, kv_len, "kv_positions")
-    return MaskArgs(q_seg, kv_seg, q_pos, kv_pos)
+  """Turns the public mask arguments into MaskArgs (see module docstring)."""
+  if window_size is not None and int(window_size) < 1:
+    raise ValueError(f"window_size must be None or >= 1; got {window_size}")
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    if isinstance(segment_ids, (tuple, list)):
+      if len(segment_ids) != 2:
+        raise ValueError("segment_ids pair must be (q_segment_ids, kv_segment_ids)")
+      q_seg, kv_seg = segment_ids
+    else:
+      if q_len != kv_len:
+        raise ValueError(
+          f"a single segment_ids array needs q_len == kv_len (got {q_len} vs "
+          f"{kv_len}); pass a (q_ids, kv_ids) pair instead"
+        )
+      q_seg = kv_seg = segment_ids
+    q_seg = _as_batched(q_seg, batch, q_len, "q segment_ids")
+    kv_seg = _as_batched(kv_seg, batch, kv_len, "kv segment_ids")
+  if q_positions is None:
+    q_positions = jnp.arange(q_len, dtype=jnp.int32)
+  if kv_positions is None:
+    kv_positions = jnp.arange(kv_len, dtype=jnp.int32)
+  q_pos = _as_batched(q_positions, batch, q_len, "q_positions")
+  kv_pos = _as_batched(kv_positions, batch, kv_len, "kv_positions")
+  return MaskArgs(q_seg, kv_seg, q_pos, kv_pos)
 
 
 def dense_mask(mask: MaskArgs, causal: bool, window_size) -> jnp.ndarray:
-    """Boolean visibility `[B, T, S]` (True = query may attend to key)."""
-    qp = mask.q_positions[:, :, None]
-    kp = mask.kv_positions[:, None, :]
-    vis = jnp.ones(qp.shape[:2] + kp.shape[2:], dtype=bool)
-    if mask.q_segment_ids is not None:
-        qs = mask.q_segment_ids[:, :, None]
-        ks = mask.kv_segment_ids[:, None, :]
-        vis = vis & (qs == ks) & (qs != 0)
-    if causal:
-        vis = vis & (kp <= qp)
-    if window_size is not None:
-        w = int(window_size)
-        vis = vis & (kp > qp - w)
-        if not causal:
-            vis = vis & (kp < qp + w)
-    return vis
+  """Boolean visibility `[B, T, S]` (True = query may attend to key)."""
+  qp = mask.q_positions[:, :, None]
+  kp = mask.kv_positions[:, None, :]
+  vis = jnp.ones(qp.shape[:2] + kp.shape[2:], dtype=bool)
+  if mask.q_segment_ids is not None:
+    qs = mask.q_segment_ids[:, :, None]
+    ks = mask.kv_segment_ids[:, None, :]
+    vis = vis & (qs == ks) & (qs != 0)
+  if causal:
+    vis = vis & (kp <= qp)
+  if window_size is not None:
+    w = int(window_size)
+    vis = vis & (kp > qp - w)
+    if not causal:
+      vis = vis & (kp < qp + w)
+  return vis
 
 
 def default_scale(head_dim: int, softmax_scale) -> float:
-    return float(head_dim) ** -0.5 if softmax_scale is None else float(softmax_scale)
+  return float(head_dim) ** -0.5 if softmax_scale is None else float(softmax_scale)

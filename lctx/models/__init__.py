@@ -8,19 +8,20 @@ Public API:
   stack_unscanned_params(params, config)
   presets: tiny, llama_100m, llama3_8b, llama3_70b
 """
+
 from lctx.models.attention import reference_attention_fn
 from lctx.models.config import ModelConfig
 from lctx.models.presets import llama3_8b, llama3_70b, llama_100m, tiny
 from lctx.models.transformer import Transformer, stack_unscanned_params, unembed_matrix
 
 __all__ = [
-    "ModelConfig",
-    "Transformer",
-    "reference_attention_fn",
-    "unembed_matrix",
-    "stack_unscanned_params",
-    "tiny",
-    "llama_100m",
-    "llama3_8b",
-    "llama3_70b",
+  "ModelConfig",
+  "Transformer",
+  "reference_attention_fn",
+  "unembed_matrix",
+  "stack_unscanned_params",
+  "tiny",
+  "llama_100m",
+  "llama3_8b",
+  "llama3_70b",
 ]

@@ -8,9 +8,10 @@ Shapes legend: B batch, T length, N q heads, K kv heads, G = N // K, H head dim
 (q/k), V value head dim, D d_model, R MLA rope dim, C MLA latent (kv_lora_rank),
 Q MLA query latent (q_lora_rank).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -22,37 +23,38 @@ from lctx.models.layers import RMSNorm, apply_rope, constrain, fan_in_init, para
 AttentionFn = Callable[..., jax.Array]
 
 
-def reference_attention_fn(q, k, v, *, segment_ids, positions, causal=True, window_size=None,
-                           softmax_scale=None):
-    """Plain-jnp attention with the plug-in signature; materialises the scores.
+def reference_attention_fn(
+  q, k, v, *, segment_ids, positions, causal=True, window_size=None, softmax_scale=None
+):
+  """Plain-jnp attention with the plug-in signature; materialises the scores.
 
-    Args:
-      q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]` (N % K == 0: query head n
-      reads kv head n // G). segment_ids, positions int32 `[B, T]` (0 = padding).
-      A query at position p sees keys of its own (non-zero) segment at positions
-      <= p (causal) and > p - window_size (window).
-    Returns: `[B, T, N, V]` in q.dtype; rows that see no key are 0.
-    """
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    g = n // kh
-    scale = h ** -0.5 if softmax_scale is None else softmax_scale
-    qp, kp = positions[:, :, None], positions[:, None, :]  # [B, T, 1], [B, 1, S]
-    vis = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] != 0)
-    if causal:
-        vis &= kp <= qp
-    if window_size is not None:
-        vis &= kp > qp - window_size
-        if not causal:
-            vis &= kp < qp + window_size
-    qg = q.reshape(b, t, kh, g, h).astype(jnp.float32)  # [B, T, K, G, H]
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * scale
-    scores = jnp.where(vis[:, None, None], scores, -jnp.inf)
-    has_key = jnp.any(vis, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
-    probs = jax.nn.softmax(jnp.where(has_key, scores, 0.0), axis=-1)
-    probs = jnp.where(has_key, probs, 0.0)
-    out = jnp.einsum("BKGTS,BSKV->BTKGV", probs, v.astype(jnp.float32))
-    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+  Args:
+    q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]` (N % K == 0: query head n
+    reads kv head n // G). segment_ids, positions int32 `[B, T]` (0 = padding).
+    A query at position p sees keys of its own (non-zero) segment at positions
+    <= p (causal) and > p - window_size (window).
+  Returns: `[B, T, N, V]` in q.dtype; rows that see no key are 0.
+  """
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  g = n // kh
+  scale = h**-0.5 if softmax_scale is None else softmax_scale
+  qp, kp = positions[:, :, None], positions[:, None, :]  # [B, T, 1], [B, 1, S]
+  vis = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] != 0)
+  if causal:
+    vis &= kp <= qp
+  if window_size is not None:
+    vis &= kp > qp - window_size
+    if not causal:
+      vis &= kp < qp + window_size
+  qg = q.reshape(b, t, kh, g, h).astype(jnp.float32)  # [B, T, K, G, H]
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * scale
+  scores = jnp.where(vis[:, None, None], scores, -jnp.inf)
+  has_key = jnp.any(vis, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+  probs = jax.nn.softmax(jnp.where(has_key, scores, 0.0), axis=-1)
+  probs = jnp.where(has_key, probs, 0.0)
+  out = jnp.einsum("BKGTS,BSKV->BTKGV", probs, v.astype(jnp.float32))
+  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
 _Q_NAMES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -60,85 +62,112 @@ _KV_NAMES = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 
 class GQAAttention(nn.Module):
-    """Multi-head attention with K kv heads (K = N: MHA, 1: MQA, else GQA)."""
+  """Multi-head attention with K kv heads (K = N: MHA, 1: MQA, else GQA)."""
 
-    config: ModelConfig
-    attention_fn: AttentionFn
-    window_size: int | None = None
+  config: ModelConfig
+  attention_fn: AttentionFn
+  window_size: int | None = None
 
-    @nn.compact
-    def __call__(self, x, segment_ids, positions):
-        """x `[B, T, D]` -> `[B, T, D]`."""
-        c = self.config
-        d, n, kh, h = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
-        init = fan_in_init([0], [1, 2])
-        wq = param(self, "wq", init, (d, n, h), ("embed", "heads", "head_dim"), c.param_dtype)
-        wk = param(self, "wk", init, (d, kh, h), ("embed", "kv_heads", "head_dim"), c.param_dtype)
-        wv = param(self, "wv", init, (d, kh, h), ("embed", "kv_heads", "head_dim"), c.param_dtype)
-        wo = param(self, "wo", fan_in_init([0, 1], [2]), (n, h, d), ("heads", "head_dim", "embed"),
-                   c.param_dtype)
-        q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(c.dtype))
-        k = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(c.dtype))
-        v = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(c.dtype))
-        q = constrain(apply_rope(q, positions, c.rope_theta), _Q_NAMES)
-        k = constrain(apply_rope(k, positions, c.rope_theta), _KV_NAMES)
-        v = constrain(v, _KV_NAMES)
-        out = self.attention_fn(q, k, v, segment_ids=segment_ids, positions=positions,
-                                causal=True, window_size=self.window_size, softmax_scale=None)
-        out = constrain(out, _Q_NAMES)  # [B, T, N, H]
-        return jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype))
+  @nn.compact
+  def __call__(self, x, segment_ids, positions):
+    """x `[B, T, D]` -> `[B, T, D]`."""
+    c = self.config
+    d, n, kh, h = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
+    init = fan_in_init([0], [1, 2])
+    wq = param(self, "wq", init, (d, n, h), ("embed", "heads", "head_dim"), c.param_dtype)
+    wk = param(self, "wk", init, (d, kh, h), ("embed", "kv_heads", "head_dim"), c.param_dtype)
+    wv = param(self, "wv", init, (d, kh, h), ("embed", "kv_heads", "head_dim"), c.param_dtype)
+    wo = param(
+      self, "wo", fan_in_init([0, 1], [2]), (n, h, d), ("heads", "head_dim", "embed"), c.param_dtype
+    )
+    q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(c.dtype))
+    k = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(c.dtype))
+    v = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(c.dtype))
+    q = constrain(apply_rope(q, positions, c.rope_theta), _Q_NAMES)
+    k = constrain(apply_rope(k, positions, c.rope_theta), _KV_NAMES)
+    v = constrain(v, _KV_NAMES)
+    out = self.attention_fn(
+      q,
+      k,
+      v,
+      segment_ids=segment_ids,
+      positions=positions,
+      causal=True,
+      window_size=self.window_size,
+      softmax_scale=None,
+    )
+    out = constrain(out, _Q_NAMES)  # [B, T, N, H]
+    return jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype))
 
 
 class MLAAttention(nn.Module):
-    """DeepSeek-V2 multi-head latent attention with decoupled RoPE.
+  """DeepSeek-V2 multi-head latent attention with decoupled RoPE.
 
-    q = [q_nope | rope(q_rope)] per head, from x directly or via a normed rank-Q
-    latent. KV: x -> [latent C | shared key rope part R]; the normed latent is
-    up-projected to k_nope and v per head; k = [k_nope | rope(k_rope) broadcast to
-    every head]. attention_fn sees ordinary q/k/v with K = N heads, H = nope + R.
-    """
+  q = [q_nope | rope(q_rope)] per head, from x directly or via a normed rank-Q
+  latent. KV: x -> [latent C | shared key rope part R]; the normed latent is
+  up-projected to k_nope and v per head; k = [k_nope | rope(k_rope) broadcast to
+  every head]. attention_fn sees ordinary q/k/v with K = N heads, H = nope + R.
+  """
 
-    config: ModelConfig
-    attention_fn: AttentionFn
-    window_size: int | None = None
+  config: ModelConfig
+  attention_fn: AttentionFn
+  window_size: int | None = None
 
-    @nn.compact
-    def __call__(self, x, segment_ids, positions):
-        """x `[B, T, D]` -> `[B, T, D]`."""
-        c = self.config
-        d, n, r = c.d_model, c.num_heads, c.qk_rope_head_dim
-        nope, vd, lat = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-        pd, cd = c.param_dtype, c.dtype
-        norm = lambda name, axis: RMSNorm(c.norm_eps, cd, pd, axis_name=axis, name=name)
+  @nn.compact
+  def __call__(self, x, segment_ids, positions):
+    """x `[B, T, D]` -> `[B, T, D]`."""
+    c = self.config
+    d, n, r = c.d_model, c.num_heads, c.qk_rope_head_dim
+    nope, vd, lat = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+    pd, cd = c.param_dtype, c.dtype
+    norm = lambda name, axis: RMSNorm(c.norm_eps, cd, pd, axis_name=axis, name=name)
 
-        if c.q_lora_rank:
-            wq_a = param(self, "wq_a", fan_in_init([0], [1]), (d, c.q_lora_rank),
-                         ("embed", "q_lora"), pd)
-            wq_b = param(self, "wq_b", fan_in_init([0], [1, 2]), (c.q_lora_rank, n, nope + r),
-                         ("q_lora", "heads", "head_dim"), pd)
-            q_lat = norm("q_norm", "q_lora")(jnp.einsum("BTD,DQ->BTQ", x, wq_a.astype(cd)))
-            q = jnp.einsum("BTQ,QNH->BTNH", q_lat, wq_b.astype(cd))
-        else:
-            wq = param(self, "wq", fan_in_init([0], [1, 2]), (d, n, nope + r),
-                       ("embed", "heads", "head_dim"), pd)
-            q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(cd))
-        q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta)], -1)
+    if c.q_lora_rank:
+      wq_a = param(self, "wq_a", fan_in_init([0], [1]), (d, c.q_lora_rank), ("embed", "q_lora"), pd)
+      wq_b = param(
+        self,
+        "wq_b",
+        fan_in_init([0], [1, 2]),
+        (c.q_lora_rank, n, nope + r),
+        ("q_lora", "heads", "head_dim"),
+        pd,
+      )
+      q_lat = norm("q_norm", "q_lora")(jnp.einsum("BTD,DQ->BTQ", x, wq_a.astype(cd)))
+      q = jnp.einsum("BTQ,QNH->BTNH", q_lat, wq_b.astype(cd))
+    else:
+      wq = param(
+        self, "wq", fan_in_init([0], [1, 2]), (d, n, nope + r), ("embed", "heads", "head_dim"), pd
+      )
+      q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(cd))
+    q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta)], -1)
 
-        wkv_a = param(self, "wkv_a", fan_in_init([0], [1]), (d, lat + r), ("embed", "kv_lora"), pd)
-        wkv_b = param(self, "wkv_b", fan_in_init([0], [1, 2]), (lat, n, nope + vd),
-                      ("kv_lora", "heads", "head_dim"), pd)
-        wo = param(self, "wo", fan_in_init([0, 1], [2]), (n, vd, d), ("heads", "head_dim", "embed"),
-                   pd)
-        kv_a = jnp.einsum("BTD,DC->BTC", x, wkv_a.astype(cd))  # [B, T, C + R]
-        kv_lat = norm("kv_norm", "kv_lora")(kv_a[..., :lat])  # [B, T, C]
-        k_rope = apply_rope(kv_a[:, :, None, lat:], positions, c.rope_theta)  # [B, T, 1, R]
-        kv = jnp.einsum("BTC,CNH->BTNH", kv_lat, wkv_b.astype(cd))  # [B, T, N, nope + V]
-        k_nope, v = kv[..., :nope], kv[..., nope:]
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + (r,))], -1)
-        q, k = constrain(q, _Q_NAMES), constrain(k, _Q_NAMES)
-        v = constrain(v, _Q_NAMES)
-        out = self.attention_fn(q, k, v, segment_ids=segment_ids, positions=positions,
-                                causal=True, window_size=self.window_size,
-                                softmax_scale=(nope + r) ** -0.5)
-        out = constrain(out, _Q_NAMES)  # [B, T, N, V]
-        return jnp.einsum("BTNV,NVD->BTD", out, wo.astype(cd))
+    wkv_a = param(self, "wkv_a", fan_in_init([0], [1]), (d, lat + r), ("embed", "kv_lora"), pd)
+    wkv_b = param(
+      self,
+      "wkv_b",
+      fan_in_init([0], [1, 2]),
+      (lat, n, nope + vd),
+      ("kv_lora", "heads", "head_dim"),
+      pd,
+    )
+    wo = param(self, "wo", fan_in_init([0, 1], [2]), (n, vd, d), ("heads", "head_dim", "embed"), pd)
+    kv_a = jnp.einsum("BTD,DC->BTC", x, wkv_a.astype(cd))  # [B, T, C + R]
+    kv_lat = norm("kv_norm", "kv_lora")(kv_a[..., :lat])  # [B, T, C]
+    k_rope = apply_rope(kv_a[:, :, None, lat:], positions, c.rope_theta)  # [B, T, 1, R]
+    kv = jnp.einsum("BTC,CNH->BTNH", kv_lat, wkv_b.astype(cd))  # [B, T, N, nope + V]
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + (r,))], -1)
+    q, k = constrain(q, _Q_NAMES), constrain(k, _Q_NAMES)
+    v = constrain(v, _Q_NAMES)
+    out = self.attention_fn(
+      q,
+      k,
+      v,
+      segment_ids=segment_ids,
+      positions=positions,
+      causal=True,
+      window_size=self.window_size,
+      softmax_scale=(nope + r) ** -0.5,
+    )
+    out = constrain(out, _Q_NAMES)  # [B, T, N, V]
+    return jnp.einsum("BTNV,NVD->BTD", out, wo.astype(cd))

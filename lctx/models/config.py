@@ -3,6 +3,7 @@
 Shapes legend (docs/contracts.md): B batch, T length, N q heads, K kv heads,
 H head dim (q/k), V value head dim, D d_model, F MLP hidden, E vocab.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,183 +15,182 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (optionally MLA attention, sliding-window patterns)."""
+  """A Llama-family decoder (optionally MLA attention, sliding-window patterns)."""
 
-    vocab_size: int = 256
-    """E: number of token ids."""
-    d_model: int = 64
-    """D: width of the residual stream."""
-    num_layers: int = 2
-    """Decoder layers; a multiple of len(attention_pattern)."""
-    num_heads: int = 4
-    """N: query heads (and, for MLA, the key/value heads too)."""
-    num_kv_heads: int = 4
-    """K: key/value heads for mha_gqa (N = MHA, 1 = MQA, else GQA). N % K == 0."""
-    head_dim: int = 16
-    """H: per-head q/k/v width for mha_gqa (unused by MLA, which has its own dims)."""
-    mlp_dim: int = 128
-    """F: SwiGLU hidden width."""
-    rope_theta: float = 10000.0
-    """RoPE base; Llama-3 uses 500000."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    attention: str = "mha_gqa"
-    """'mha_gqa' (MHA/GQA/MQA by num_kv_heads) or 'mla' (DeepSeek-V2 latent KV)."""
-    q_lora_rank: int = 0
-    """MLA: rank of the query compression; 0 = full-rank query projection."""
-    kv_lora_rank: int = 32
-    """MLA: width of the compressed KV latent (what an inference cache would hold)."""
-    qk_nope_head_dim: int = 16
-    """MLA: per-head q/k part without rotary embedding."""
-    qk_rope_head_dim: int = 8
-    """MLA: per-head q/k rotary part; the key's rope part is shared by all heads. Even."""
-    v_head_dim: int = 16
-    """MLA: V, per-head value width."""
-    attention_pattern: tuple[int | None, ...] = (None,)
-    """Window size per layer, cycled over the layers (None = global). E.g.
+  vocab_size: int = 256
+  """E: number of token ids."""
+  d_model: int = 64
+  """D: width of the residual stream."""
+  num_layers: int = 2
+  """Decoder layers; a multiple of len(attention_pattern)."""
+  num_heads: int = 4
+  """N: query heads (and, for MLA, the key/value heads too)."""
+  num_kv_heads: int = 4
+  """K: key/value heads for mha_gqa (N = MHA, 1 = MQA, else GQA). N % K == 0."""
+  head_dim: int = 16
+  """H: per-head q/k/v width for mha_gqa (unused by MLA, which has its own dims)."""
+  mlp_dim: int = 128
+  """F: SwiGLU hidden width."""
+  rope_theta: float = 10000.0
+  """RoPE base; Llama-3 uses 500000."""
+  norm_eps: float = 1e-5
+  """RMSNorm epsilon."""
+  attention: str = "mha_gqa"
+  """'mha_gqa' (MHA/GQA/MQA by num_kv_heads) or 'mla' (DeepSeek-V2 latent KV)."""
+  q_lora_rank: int = 0
+  """MLA: rank of the query compression; 0 = full-rank query projection."""
+  kv_lora_rank: int = 32
+  """MLA: width of the compressed KV latent (what an inference cache would hold)."""
+  qk_nope_head_dim: int = 16
+  """MLA: per-head q/k part without rotary embedding."""
+  qk_rope_head_dim: int = 8
+  """MLA: per-head q/k rotary part; the key's rope part is shared by all heads. Even."""
+  v_head_dim: int = 16
+  """MLA: V, per-head value width."""
+  attention_pattern: tuple[int | None, ...] = (None,)
+  """Window size per layer, cycled over the layers (None = global). E.g.
     (1024,) * 5 + (None,) is Gemma's five local layers to one global."""
-    dtype: str = "float32"
-    """Compute dtype of activations and matmuls ('bfloat16' for training)."""
-    param_dtype: str = "float32"
-    """Storage dtype of parameters (master weights)."""
-    remat_policy: str = "none"
-    """Rematerialisation of each scanned block: 'none' (save everything), 'full'
+  dtype: str = "float32"
+  """Compute dtype of activations and matmuls ('bfloat16' for training)."""
+  param_dtype: str = "float32"
+  """Storage dtype of parameters (master weights)."""
+  remat_policy: str = "none"
+  """Rematerialisation of each scanned block: 'none' (save everything), 'full'
     (save only block inputs), 'dots' / 'dots_no_batch' (save matmul outputs,
     jax.checkpoint_policies.dots_saveable / dots_with_no_batch_dims_saveable),
     'offload_layer_inputs' (recompute everything but keep each layer's input in
     pinned host memory)."""
-    scan_layers: bool = True
-    """Scan over layers (one compiled block). False unrolls them (debugging)."""
-    mlp_chunk_size: int | None = None
-    """Run the MLP over sequence chunks of this many tokens (lctx.kernels.chunked_mlp)
+  scan_layers: bool = True
+  """Scan over layers (one compiled block). False unrolls them (debugging)."""
+  mlp_chunk_size: int | None = None
+  """Run the MLP over sequence chunks of this many tokens (lctx.kernels.chunked_mlp)
     so its [B, T, F] hidden never lives whole. None = one piece."""
-    tie_embeddings: bool = False
-    """Use the input embedding's transpose as the unembedding."""
+  tie_embeddings: bool = False
+  """Use the input embedding's transpose as the unembedding."""
 
-    def __post_init__(self):
-        validate(self)
+  def __post_init__(self):
+    validate(self)
 
-    @property
-    def num_repeats(self) -> int:
-        """Scan length: how many times the attention_pattern block repeats."""
-        return self.num_layers // len(self.attention_pattern)
+  @property
+  def num_repeats(self) -> int:
+    """Scan length: how many times the attention_pattern block repeats."""
+    return self.num_layers // len(self.attention_pattern)
 
-    def window_of_layer(self, layer: int) -> int | None:
-        return self.attention_pattern[layer % len(self.attention_pattern)]
+  def window_of_layer(self, layer: int) -> int | None:
+    return self.attention_pattern[layer % len(self.attention_pattern)]
 
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Attention window of every layer in order (None = global)."""
-        return tuple(self.window_of_layer(i) for i in range(self.num_layers))
+  @property
+  def layer_windows(self) -> tuple[int | None, ...]:
+    """Attention window of every layer in order (None = global)."""
+    return tuple(self.window_of_layer(i) for i in range(self.num_layers))
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count. include_embedding=False drops the input embedding table
-        (an untied unembedding is always counted: it is a matmul)."""
-        d, e = self.d_model, self.vocab_size
-        per_layer = 2 * d + 3 * d * self.mlp_dim + _attention_matmul_params(self)
-        per_layer += _attention_norm_params(self)
-        total = self.num_layers * per_layer + d  # + final norm
-        if include_embedding:
-            total += e * d
-        if not self.tie_embeddings or not include_embedding:
-            total += d * e
-        return total
+  def num_params(self, include_embedding: bool = True) -> int:
+    """Parameter count. include_embedding=False drops the input embedding table
+    (an untied unembedding is always counted: it is a matmul)."""
+    d, e = self.d_model, self.vocab_size
+    per_layer = 2 * d + 3 * d * self.mlp_dim + _attention_matmul_params(self)
+    per_layer += _attention_norm_params(self)
+    total = self.num_layers * per_layer + d  # + final norm
+    if include_embedding:
+      total += e * d
+    if not self.tie_embeddings or not include_embedding:
+      total += d * e
+    return total
 
-    def flops_per_token(self, seq_len: int, causal: bool = True, training: bool = True) -> float:
-        """Model FLOPs per token (REFERENCE.md section 4), packing-independent.
+  def flops_per_token(self, seq_len: int, causal: bool = True, training: bool = True) -> float:
+    """Model FLOPs per token (REFERENCE.md section 4), packing-independent.
 
-        Forward per token and layer: 2 x (projection matmul params) + attention
-        2 x keys x N x (H_qk + V) (= 4 x keys x N x H when H_qk = V); plus 2 D E
-        for the unembedding. keys is the mean number of visible keys per query:
-        seq (non-causal global), seq/2 (causal global), w - w^2/(2 seq) for a
-        causal window w < seq (the exact mean of min(p, w) over p in [0, seq),
-        continuous with seq/2 at w = seq), min(2w - 1, seq) non-causal windowed.
-        training=True returns 3x forward (forward + backward), the MFU numerator.
-        """
-        n = self.num_heads
-        if self.attention == "mla":
-            qk_dim, v_dim = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
-        else:
-            qk_dim = v_dim = self.head_dim
-        proj = 2 * (_attention_matmul_params(self) + 3 * self.d_model * self.mlp_dim)
-        total = 0.0
-        for layer in range(self.num_layers):
-            keys = _mean_visible_keys(seq_len, self.window_of_layer(layer), causal)
-            total += proj + 2 * keys * n * (qk_dim + v_dim)
-        total += 2 * self.d_model * self.vocab_size
-        return 3 * total if training else total
+    Forward per token and layer: 2 x (projection matmul params) + attention
+    2 x keys x N x (H_qk + V) (= 4 x keys x N x H when H_qk = V); plus 2 D E
+    for the unembedding. keys is the mean number of visible keys per query:
+    seq (non-causal global), seq/2 (causal global), w - w^2/(2 seq) for a
+    causal window w < seq (the exact mean of min(p, w) over p in [0, seq),
+    continuous with seq/2 at w = seq), min(2w - 1, seq) non-causal windowed.
+    training=True returns 3x forward (forward + backward), the MFU numerator.
+    """
+    n = self.num_heads
+    if self.attention == "mla":
+      qk_dim, v_dim = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+    else:
+      qk_dim = v_dim = self.head_dim
+    proj = 2 * (_attention_matmul_params(self) + 3 * self.d_model * self.mlp_dim)
+    total = 0.0
+    for layer in range(self.num_layers):
+      keys = _mean_visible_keys(seq_len, self.window_of_layer(layer), causal)
+      total += proj + 2 * keys * n * (qk_dim + v_dim)
+    total += 2 * self.d_model * self.vocab_size
+    return 3 * total if training else total
 
 
 def _mean_visible_keys(seq: int, window: int | None, causal: bool) -> float:
-    if window is None or window >= seq:
-        return seq / 2 if causal else float(seq)
-    if causal:
-        return window - window * window / (2 * seq)
-    return float(min(2 * window - 1, seq))
+  if window is None or window >= seq:
+    return seq / 2 if causal else float(seq)
+  if causal:
+    return window - window * window / (2 * seq)
+  return float(min(2 * window - 1, seq))
 
 
 def _attention_matmul_params(c: ModelConfig) -> int:
-    """Weights of the attention projections of one layer (no norms)."""
-    d, n = c.d_model, c.num_heads
-    if c.attention == "mla":
-        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-        q = d * c.q_lora_rank + c.q_lora_rank * n * qk if c.q_lora_rank else d * n * qk
-        kv = d * (c.kv_lora_rank + c.qk_rope_head_dim)
-        kv += c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
-        return q + kv + n * c.v_head_dim * d
-    h = c.head_dim
-    return d * (n + 2 * c.num_kv_heads) * h + n * h * d
+  """Weights of the attention projections of one layer (no norms)."""
+  d, n = c.d_model, c.num_heads
+  if c.attention == "mla":
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = d * c.q_lora_rank + c.q_lora_rank * n * qk if c.q_lora_rank else d * n * qk
+    kv = d * (c.kv_lora_rank + c.qk_rope_head_dim)
+    kv += c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
+    return q + kv + n * c.v_head_dim * d
+  h = c.head_dim
+  return d * (n + 2 * c.num_kv_heads) * h + n * h * d
 
 
 def _attention_norm_params(c: ModelConfig) -> int:
-    if c.attention == "mla":
-        return c.q_lora_rank + c.kv_lora_rank
-    return 0
+  if c.attention == "mla":
+    return c.q_lora_rank + c.kv_lora_rank
+  return 0
 
 
 def validate(c: ModelConfig) -> None:
-    """Raises one ValueError naming the broken rule and the numbers."""
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim"):
-        if getattr(c, name) < 1:
-            raise ValueError(f"{name} must be >= 1; got {getattr(c, name)}")
-    if c.attention not in ATTENTION_KINDS:
-        raise ValueError(f"attention must be one of {ATTENTION_KINDS}; got {c.attention!r}")
-    if c.remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}; got {c.remat_policy!r}")
-    for name in ("dtype", "param_dtype"):
-        if getattr(c, name) not in DTYPES:
-            raise ValueError(f"{name} must be one of {DTYPES}; got {getattr(c, name)!r}")
-    pattern = c.attention_pattern
-    if not isinstance(pattern, tuple) or not pattern:
-        raise ValueError(f"attention_pattern must be a non-empty tuple; got {pattern!r}")
-    for w in pattern:
-        if w is not None and (not isinstance(w, int) or w < 1):
-            raise ValueError(f"attention_pattern entries must be None or ints >= 1; got {pattern}")
-    if c.num_layers % len(pattern):
-        raise ValueError(
-            f"num_layers ({c.num_layers}) must be a multiple of len(attention_pattern) "
-            f"({len(pattern)}) so the scanned block of {len(pattern)} layers repeats evenly"
-        )
-    if c.mlp_chunk_size is not None and c.mlp_chunk_size < 1:
-        raise ValueError(f"mlp_chunk_size must be None or >= 1; got {c.mlp_chunk_size}")
-    if c.attention == "mha_gqa":
-        if c.num_kv_heads < 1 or c.num_heads % c.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads "
-                f"({c.num_kv_heads}) for GQA/MQA grouping"
-            )
-        if c.head_dim < 2 or c.head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE rotates pairs); got {c.head_dim}")
-    else:
-        if c.kv_lora_rank < 1 or c.qk_nope_head_dim < 0 or c.v_head_dim < 1:
-            raise ValueError(
-                f"MLA needs kv_lora_rank >= 1, qk_nope_head_dim >= 0, v_head_dim >= 1; got "
-                f"{c.kv_lora_rank}, {c.qk_nope_head_dim}, {c.v_head_dim}"
-            )
-        if c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2:
-            raise ValueError(
-                f"MLA qk_rope_head_dim must be even and >= 2 (RoPE rotates pairs); got "
-                f"{c.qk_rope_head_dim}"
-            )
-        if c.q_lora_rank < 0:
-            raise ValueError(f"q_lora_rank must be >= 0 (0 = no compression); got {c.q_lora_rank}")
+  """Raises one ValueError naming the broken rule and the numbers."""
+  for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim"):
+    if getattr(c, name) < 1:
+      raise ValueError(f"{name} must be >= 1; got {getattr(c, name)}")
+  if c.attention not in ATTENTION_KINDS:
+    raise ValueError(f"attention must be one of {ATTENTION_KINDS}; got {c.attention!r}")
+  if c.remat_policy not in REMAT_POLICIES:
+    raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}; got {c.remat_policy!r}")
+  for name in ("dtype", "param_dtype"):
+    if getattr(c, name) not in DTYPES:
+      raise ValueError(f"{name} must be one of {DTYPES}; got {getattr(c, name)!r}")
+  pattern = c.attention_pattern
+  if not isinstance(pattern, tuple) or not pattern:
+    raise ValueError(f"attention_pattern must be a non-empty tuple; got {pattern!r}")
+  for w in pattern:
+    if w is not None and (not isinstance(w, int) or w < 1):
+      raise ValueError(f"attention_pattern entries must be None or ints >= 1; got {pattern}")
+  if c.num_layers % len(pattern):
+    raise ValueError(
+      f"num_layers ({c.num_layers}) must be a multiple of len(attention_pattern) "
+      f"({len(pattern)}) so the scanned block of {len(pattern)} layers repeats evenly"
+    )
+  if c.mlp_chunk_size is not None and c.mlp_chunk_size < 1:
+    raise ValueError(f"mlp_chunk_size must be None or >= 1; got {c.mlp_chunk_size}")
+  if c.attention == "mha_gqa":
+    if c.num_kv_heads < 1 or c.num_heads % c.num_kv_heads:
+      raise ValueError(
+        f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads "
+        f"({c.num_kv_heads}) for GQA/MQA grouping"
+      )
+    if c.head_dim < 2 or c.head_dim % 2:
+      raise ValueError(f"head_dim must be even (RoPE rotates pairs); got {c.head_dim}")
+  else:
+    if c.kv_lora_rank < 1 or c.qk_nope_head_dim < 0 or c.v_head_dim < 1:
+      raise ValueError(
+        f"MLA needs kv_lora_rank >= 1, qk_nope_head_dim >= 0, v_head_dim >= 1; got "
+        f"{c.kv_lora_rank}, {c.qk_nope_head_dim}, {c.v_head_dim}"
+      )
+    if c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2:
+      raise ValueError(
+        f"MLA qk_rope_head_dim must be even and >= 2 (RoPE rotates pairs); got {c.qk_rope_head_dim}"
+      )
+    if c.q_lora_rank < 0:
+      raise ValueError(f"q_lora_rank must be >= 0 (0 = no compression); got {c.q_lora_rank}")

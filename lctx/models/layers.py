@@ -3,10 +3,11 @@
 Shapes legend (docs/contracts.md): B batch, T length, N q heads, K kv heads,
 H head dim, D d_model, F MLP hidden, E vocab.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -16,70 +17,71 @@ from lctx.models.config import ModelConfig
 
 
 def fan_in_init(in_axes: Sequence[int], out_axes: Sequence[int]):
-    """Lecun-normal over the contracted axes of a multi-axis kernel (e.g. [N, H, D])."""
-    return nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal", in_axis=tuple(in_axes), out_axis=tuple(out_axes)
-    )
+  """Lecun-normal over the contracted axes of a multi-axis kernel (e.g. [N, H, D])."""
+  return nn.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=tuple(in_axes), out_axis=tuple(out_axes)
+  )
 
 
 def param(module: nn.Module, name: str, init, shape, names: tuple[str, ...], dtype):
-    """A parameter annotated with logical axis names; returned unboxed."""
-    if len(names) != len(shape):
-        raise ValueError(f"param {name}: {len(shape)} dims but logical names {names}")
-    return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+  """A parameter annotated with logical axis names; returned unboxed."""
+  if len(names) != len(shape):
+    raise ValueError(f"param {name}: {len(shape)} dims but logical names {names}")
+  return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
 
 
 def constrain(x, names: tuple[str, ...]):
-    """Activation sharding hint in logical names (no-op without a mesh/rules)."""
-    return nn.with_logical_constraint(x, names)
+  """Activation sharding hint in logical names (no-op without a mesh/rules)."""
+  return nn.with_logical_constraint(x, names)
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * scale over the last axis, computed in float32."""
+  """x / rms(x) * scale over the last axis, computed in float32."""
 
-    eps: float = 1e-5
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    axis_name: str = "embed"
+  eps: float = 1e-5
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  axis_name: str = "embed"
 
-    @nn.compact
-    def __call__(self, x):
-        scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,),
-                      self.param_dtype)
-        y = rms_norm(x.astype(jnp.float32), scale.astype(jnp.float32), self.eps)
-        return y.astype(self.dtype)
+  @nn.compact
+  def __call__(self, x):
+    scale = param(
+      self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
+    )
+    y = rms_norm(x.astype(jnp.float32), scale.astype(jnp.float32), self.eps)
+    return y.astype(self.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, scale, eps):
-    """x `[..., D]` / rms over D, times scale `[D]` (float32 in and out).
+  """x `[..., D]` / rms over D, times scale `[D]` (float32 in and out).
 
-    The same math as `x * rsqrt(mean(x^2) + eps) * scale` under autodiff, with
-    every sum written as a matmul against a ones vector: XLA CPU ran the
-    reductions of the autodiff version (mean over D, and the scale gradient's
-    sum over tokens) ~7x slower than the whole norm takes this way. The matmuls
-    run at HIGHEST precision: TPU and GPU would otherwise round f32 to bf16/TF32.
-    """
-    return _rms_norm_fwd(x, scale, eps)[0]
+  The same math as `x * rsqrt(mean(x^2) + eps) * scale` under autodiff, with
+  every sum written as a matmul against a ones vector: XLA CPU ran the
+  reductions of the autodiff version (mean over D, and the scale gradient's
+  sum over tokens) ~7x slower than the whole norm takes this way. The matmuls
+  run at HIGHEST precision: TPU and GPU would otherwise round f32 to bf16/TF32.
+  """
+  return _rms_norm_fwd(x, scale, eps)[0]
 
 
 def _rms_norm_fwd(x, scale, eps):
-    d = x.shape[-1]
-    inv_d = jnp.full((d,), 1.0 / d, x.dtype)
-    r = jax.lax.rsqrt(_dot(x * x, inv_d) + eps)[..., None]  # 1 / rms, [..., 1]
-    xn = x * r
-    return xn * scale, (xn, r, scale)
+  d = x.shape[-1]
+  inv_d = jnp.full((d,), 1.0 / d, x.dtype)
+  r = jax.lax.rsqrt(_dot(x * x, inv_d) + eps)[..., None]  # 1 / rms, [..., 1]
+  xn = x * r
+  return xn * scale, (xn, r, scale)
 
 
 def _rms_norm_bwd(eps, res, g):
-    del eps
-    xn, r, scale = res
-    d = xn.shape[-1]
-    gs = g * scale
-    # d/dx of xn = x r: r (gs - xn mean(gs xn)); d/dscale: sum over tokens of g xn.
-    dx = r * (gs - xn * _dot(gs * xn, jnp.full((d,), 1.0 / d, xn.dtype))[..., None])
-    dscale = _dot(jnp.ones((xn.size // d,), xn.dtype), (g * xn).reshape(-1, d))
-    return dx, dscale
+  del eps
+  xn, r, scale = res
+  d = xn.shape[-1]
+  gs = g * scale
+  # d/dx of xn = x r: r (gs - xn mean(gs xn)); d/dscale: sum over tokens of g xn.
+  dx = r * (gs - xn * _dot(gs * xn, jnp.full((d,), 1.0 / d, xn.dtype))[..., None])
+  dscale = _dot(jnp.ones((xn.size // d,), xn.dtype), (g * xn).reshape(-1, d))
+  return dx, dscale
 
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -87,53 +89,54 @@ _dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 
 
 def apply_rope(x, positions, theta: float):
-    """Rotary embedding, half-split convention (rotate_half), driven by positions.
+  """Rotary embedding, half-split convention (rotate_half), driven by positions.
 
-    Args:
-      x: `[B, T, N, H]` (H even; N may be 1 for MLA's shared key part).
-      positions: int32 `[B, T]`: the true token positions (may be permuted, restart
-        per packed document), so RoPE never depends on array order.
-    Returns: `[B, T, N, H]` in x.dtype. Angles are computed in float32.
-    """
-    h = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
-    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, H/2]
-    sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+  Args:
+    x: `[B, T, N, H]` (H even; N may be 1 for MLA's shared key part).
+    positions: int32 `[B, T]`: the true token positions (may be permuted, restart
+      per packed document), so RoPE never depends on array order.
+  Returns: `[B, T, N, H]` in x.dtype. Angles are computed in float32.
+  """
+  h = x.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, H/2]
+  sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
 
 
 class MLP(nn.Module):
-    """SwiGLU: (silu(x Wg) * (x Wu)) Wo, optionally over sequence chunks."""
+  """SwiGLU: (silu(x Wg) * (x Wu)) Wo, optionally over sequence chunks."""
 
-    config: ModelConfig
+  config: ModelConfig
 
-    @nn.compact
-    def __call__(self, x):
-        """x `[B, T, D]` (compute dtype) -> `[B, T, D]`."""
-        c = self.config
-        d, f = c.d_model, c.mlp_dim
-        w_gate = param(self, "wi_gate", fan_in_init([0], [1]), (d, f), ("embed", "mlp"), c.param_dtype)
-        w_up = param(self, "wi_up", fan_in_init([0], [1]), (d, f), ("embed", "mlp"), c.param_dtype)
-        w_out = param(self, "wo", fan_in_init([0], [1]), (f, d), ("mlp", "embed"), c.param_dtype)
-        w_gate, w_up, w_out = (w.astype(c.dtype) for w in (w_gate, w_up, w_out))
+  @nn.compact
+  def __call__(self, x):
+    """x `[B, T, D]` (compute dtype) -> `[B, T, D]`."""
+    c = self.config
+    d, f = c.d_model, c.mlp_dim
+    w_gate = param(self, "wi_gate", fan_in_init([0], [1]), (d, f), ("embed", "mlp"), c.param_dtype)
+    w_up = param(self, "wi_up", fan_in_init([0], [1]), (d, f), ("embed", "mlp"), c.param_dtype)
+    w_out = param(self, "wo", fan_in_init([0], [1]), (f, d), ("mlp", "embed"), c.param_dtype)
+    w_gate, w_up, w_out = (w.astype(c.dtype) for w in (w_gate, w_up, w_out))
 
-        def mlp(xc):  # [B, c, D] -> [B, c, D]; pure in xc, so it can be chunked.
-            # Token-major 2-D matmuls: with [B, T, D] einsums XLA CPU gave the
-            # backward's weight-gradient dots transposed elementwise producers
-            # (~0.6 ms each per [512, 512]); flat, the MLP fwd+bwd ran ~20% faster.
-            lead = xc.shape[:-1]
-            x2 = xc.reshape(-1, d)
-            gate, up = x2 @ w_gate, x2 @ w_up
-            hidden = constrain((nn.silu(gate) * up).reshape(lead + (f,)),
-                               ("act_batch", "act_seq", "act_mlp"))
-            return (hidden.reshape(-1, f) @ w_out).reshape(lead + (d,))
+    def mlp(xc):  # [B, c, D] -> [B, c, D]; pure in xc, so it can be chunked.
+      # Token-major 2-D matmuls: with [B, T, D] einsums XLA CPU gave the
+      # backward's weight-gradient dots transposed elementwise producers
+      # (~0.6 ms each per [512, 512]); flat, the MLP fwd+bwd ran ~20% faster.
+      lead = xc.shape[:-1]
+      x2 = xc.reshape(-1, d)
+      gate, up = x2 @ w_gate, x2 @ w_up
+      hidden = constrain(
+        (nn.silu(gate) * up).reshape(lead + (f,)), ("act_batch", "act_seq", "act_mlp")
+      )
+      return (hidden.reshape(-1, f) @ w_out).reshape(lead + (d,))
 
-        if c.mlp_chunk_size is None or c.mlp_chunk_size >= x.shape[1]:
-            return mlp(x)
-        # Imported lazily: models may run without the kernels package's extras.
-        from lctx.kernels import chunked_mlp
+    if c.mlp_chunk_size is None or c.mlp_chunk_size >= x.shape[1]:
+      return mlp(x)
+    # Imported lazily: models may run without the kernels package's extras.
+    from lctx.kernels import chunked_mlp
 
-        return chunked_mlp(mlp, x, c.mlp_chunk_size)
+    return chunked_mlp(mlp, x, c.mlp_chunk_size)

@@ -7,6 +7,7 @@ backward reduce-scatters dK/dV. Per-device memory grows with the full sequence.
 Local shapes: q `[B, T/P, N, H]`, k `[B, T/P, K, H]`, v `[B, T/P, K, V]`,
 seg/pos `[B, T/P]`; returns `[B, T/P, N, V]`.
 """
+
 from __future__ import annotations
 
 import jax
@@ -15,12 +16,11 @@ from lctx.parallel import block_ops
 from lctx.parallel.block_ops import AttnConfig
 
 
-def all_gather_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig,
-                               axis_names: tuple[str, ...]):
-    if axis_names:
-        k, v, kv_seg, kv_pos = (
-            jax.lax.all_gather(x, axis_names, axis=1, tiled=True) for x in (k, v, seg, pos))
-    else:
-        kv_seg, kv_pos = seg, pos
-    return block_ops.attend(q, k, v, q_seg=seg, kv_seg=kv_seg, q_pos=pos, kv_pos=kv_pos,
-                            cfg=cfg)
+def all_gather_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_names: tuple[str, ...]):
+  if axis_names:
+    k, v, kv_seg, kv_pos = (
+      jax.lax.all_gather(x, axis_names, axis=1, tiled=True) for x in (k, v, seg, pos)
+    )
+  else:
+    kv_seg, kv_pos = seg, pos
+  return block_ops.attend(q, k, v, q_seg=seg, kv_seg=kv_seg, q_pos=pos, kv_pos=kv_pos, cfg=cfg)

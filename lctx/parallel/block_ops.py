@@ -13,6 +13,7 @@
 Shapes: q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, V]`, ids/positions `[B, T]`
 / `[B, S]` int32, lse `[B, N, T]` float32.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,142 +28,179 @@ _BIG = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class AttnConfig:
-    """Static attention options shared by every strategy (hashable: nondiff arg)."""
+  """Static attention options shared by every strategy (hashable: nondiff arg)."""
 
-    causal: bool = True
-    window_size: int | None = None
-    softmax_scale: float | None = None
-    block_q: int = 512
-    block_kv: int = 512
-    backend: str = "auto"
-    block_q_bwd: int | None = None  # backward blocks of `attend` (None: the same)
-    block_kv_bwd: int | None = None
-    # Each ring hop can be split into sub_chunks x sub_chunks (q, kv) pairs that are
-    # skipped independently and bound the kernel's per-call temporaries (layout
-    # copies of q/k/v/out/dout scale with the call's length). None = auto: one call
-    # per hop up to split_above tokens (8 heads x 64 f32 on CPU: 32K causal ring
-    # fwd+bwd 76 s unsplit vs 116 s in 2048-token pieces, same run); above it,
-    # pieces of <= piece_tokens, at most max_sub_chunks (pairs run in one fori_loop).
-    # 16K-token chunks (128K on 8 devices) in 1/2/4/8 pieces: 418/385/341/325 MiB
-    # temp with the pairs unrolled; 277 MiB at 8 pieces in the loop (2026-11-29).
-    sub_chunks: int | None = None
-    split_above: int = 4096
-    piece_tokens: int = 2048
-    max_sub_chunks: int = 8
+  causal: bool = True
+  window_size: int | None = None
+  softmax_scale: float | None = None
+  block_q: int = 512
+  block_kv: int = 512
+  backend: str = "auto"
+  block_q_bwd: int | None = None  # backward blocks of `attend` (None: the same)
+  block_kv_bwd: int | None = None
+  # Each ring hop can be split into sub_chunks x sub_chunks (q, kv) pairs that are
+  # skipped independently and bound the kernel's per-call temporaries (layout
+  # copies of q/k/v/out/dout scale with the call's length). None = auto: one call
+  # per hop up to split_above tokens (8 heads x 64 f32 on CPU: 32K causal ring
+  # fwd+bwd 76 s unsplit vs 116 s in 2048-token pieces, same run); above it,
+  # pieces of <= piece_tokens, at most max_sub_chunks (pairs run in one fori_loop).
+  # 16K-token chunks (128K on 8 devices) in 1/2/4/8 pieces: 418/385/341/325 MiB
+  # temp with the pairs unrolled; 277 MiB at 8 pieces in the loop (2026-11-29).
+  sub_chunks: int | None = None
+  split_above: int = 4096
+  piece_tokens: int = 2048
+  max_sub_chunks: int = 8
 
-    def scale(self, head_dim: int) -> float:
-        return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)
+  def scale(self, head_dim: int) -> float:
+    return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)
 
 
 def ring_sub_chunks(cfg: AttnConfig, length: int) -> int:
-    """How many pieces each device chunk of `length` tokens is cut into per hop."""
-    if cfg.sub_chunks is not None:
-        c = max(1, int(cfg.sub_chunks))
-        return c if length % c == 0 else 1
-    c = 1
-    if length <= cfg.split_above:
-        return c
-    while (length % (2 * c) == 0 and length // c > cfg.piece_tokens
-           and 2 * c <= cfg.max_sub_chunks):
-        c *= 2
+  """How many pieces each device chunk of `length` tokens is cut into per hop."""
+  if cfg.sub_chunks is not None:
+    c = max(1, int(cfg.sub_chunks))
+    return c if length % c == 0 else 1
+  c = 1
+  if length <= cfg.split_above:
     return c
+  while length % (2 * c) == 0 and length // c > cfg.piece_tokens and 2 * c <= cfg.max_sub_chunks:
+    c *= 2
+  return c
 
 
 def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
-    """Differentiable attention of q against k/v; out `[B, T, N, V]`."""
-    return kernels.flash_attention(
-        q, k, v, segment_ids=(q_seg, kv_seg), q_positions=q_pos, kv_positions=kv_pos,
-        causal=cfg.causal, window_size=cfg.window_size, softmax_scale=cfg.softmax_scale,
-        block_q=cfg.block_q, block_kv=cfg.block_kv, backend=cfg.backend,
-        block_q_bwd=cfg.block_q_bwd, block_kv_bwd=cfg.block_kv_bwd)
+  """Differentiable attention of q against k/v; out `[B, T, N, V]`."""
+  return kernels.flash_attention(
+    q,
+    k,
+    v,
+    segment_ids=(q_seg, kv_seg),
+    q_positions=q_pos,
+    kv_positions=kv_pos,
+    causal=cfg.causal,
+    window_size=cfg.window_size,
+    softmax_scale=cfg.softmax_scale,
+    block_q=cfg.block_q,
+    block_kv=cfg.block_kv,
+    backend=cfg.backend,
+    block_q_bwd=cfg.block_q_bwd,
+    block_kv_bwd=cfg.block_kv_bwd,
+  )
 
 
 def _fused_cpu(q, k, v, cfg: AttnConfig) -> bool:
-    """Whether ring block steps run on the fused CPU kernel (the rule of
-    flash_attention's backend choice; other backends keep the blockwise kernel)."""
-    if cfg.backend == "cpu":
-        return True
-    return cfg.backend == "auto" and kernels.cpu_fused.auto_applies(q, k, v)
+  """Whether ring block steps run on the fused CPU kernel (the rule of
+  flash_attention's backend choice; other backends keep the blockwise kernel)."""
+  if cfg.backend == "cpu":
+    return True
+  return cfg.backend == "auto" and kernels.cpu_fused.auto_applies(q, k, v)
 
 
 def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
-    """One block step: (out `[B, T, N, V]` f32 normalised within the block, lse `[B, N, T]`)."""
-    fn = (kernels.cpu_fused.cpu_block_forward if _fused_cpu(q, k, v, cfg)
-          else kernels.attention_block_forward)
-    out, lse = fn(
-        q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
-        kv_positions=kv_pos, causal=cfg.causal, window_size=cfg.window_size,
-        softmax_scale=cfg.softmax_scale, block_q=cfg.block_q, block_kv=cfg.block_kv)
-    return out.astype(jnp.float32), lse.astype(jnp.float32)
+  """One block step: (out `[B, T, N, V]` f32 normalised within the block, lse `[B, N, T]`)."""
+  fn = (
+    kernels.cpu_fused.cpu_block_forward
+    if _fused_cpu(q, k, v, cfg)
+    else kernels.attention_block_forward
+  )
+  out, lse = fn(
+    q,
+    k,
+    v,
+    q_segment_ids=q_seg,
+    kv_segment_ids=kv_seg,
+    q_positions=q_pos,
+    kv_positions=kv_pos,
+    causal=cfg.causal,
+    window_size=cfg.window_size,
+    softmax_scale=cfg.softmax_scale,
+    block_q=cfg.block_q,
+    block_kv=cfg.block_kv,
+  )
+  return out.astype(jnp.float32), lse.astype(jnp.float32)
 
 
-def block_backward(q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos,
-                   cfg: AttnConfig):
-    """FA2 backward of one block against the GLOBAL out/lse; (dq, dk, dv) in float32."""
-    fn = (kernels.cpu_fused.cpu_block_backward if _fused_cpu(q, k, v, cfg)
-          else kernels.attention_block_backward)
-    dq, dk, dv = fn(
-        q, k, v, out, lse, dout, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-        q_positions=q_pos, kv_positions=kv_pos, causal=cfg.causal,
-        window_size=cfg.window_size, softmax_scale=cfg.softmax_scale,
-        block_q=cfg.block_q, block_kv=cfg.block_kv)
-    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+def block_backward(q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
+  """FA2 backward of one block against the GLOBAL out/lse; (dq, dk, dv) in float32."""
+  fn = (
+    kernels.cpu_fused.cpu_block_backward
+    if _fused_cpu(q, k, v, cfg)
+    else kernels.attention_block_backward
+  )
+  dq, dk, dv = fn(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    q_segment_ids=q_seg,
+    kv_segment_ids=kv_seg,
+    q_positions=q_pos,
+    kv_positions=kv_pos,
+    causal=cfg.causal,
+    window_size=cfg.window_size,
+    softmax_scale=cfg.softmax_scale,
+    block_q=cfg.block_q,
+    block_kv=cfg.block_kv,
+  )
+  return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
 def merge(o1, lse1, o2, lse2):
-    """Combine two normalised partial results over disjoint key sets.
+  """Combine two normalised partial results over disjoint key sets.
 
-    o `[B, T, N, V]` f32, lse `[B, N, T]` f32; MASKED_LSE is finite so no NaN appears.
-    """
-    lse = jnp.logaddexp(lse1, lse2)
-    w1 = jnp.exp(lse1 - lse).transpose(0, 2, 1)[..., None]  # [B, T, N, 1]
-    w2 = jnp.exp(lse2 - lse).transpose(0, 2, 1)[..., None]
-    return o1 * w1 + o2 * w2, lse
+  o `[B, T, N, V]` f32, lse `[B, N, T]` f32; MASKED_LSE is finite so no NaN appears.
+  """
+  lse = jnp.logaddexp(lse1, lse2)
+  w1 = jnp.exp(lse1 - lse).transpose(0, 2, 1)[..., None]  # [B, T, N, 1]
+  w2 = jnp.exp(lse2 - lse).transpose(0, 2, 1)[..., None]
+  return o1 * w1 + o2 * w2, lse
 
 
 def maybe_visible(q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, xp=jnp):
-    """Scalar bool: False only if no (query, key) pair of the blocks can be visible.
+  """Scalar bool: False only if no (query, key) pair of the blocks can be visible.
 
-    Conservative per row: a visible pair needs a shared non-zero segment id (so the
-    id ranges overlap), kv_pos <= q_pos when causal (so min kv_pos <= max q_pos) and
-    the window bounds. Works with numpy (xp=np) for block counting in benchmarks.
-    """
-    qv, kv = q_seg != 0, kv_seg != 0
+  Conservative per row: a visible pair needs a shared non-zero segment id (so the
+  id ranges overlap), kv_pos <= q_pos when causal (so min kv_pos <= max q_pos) and
+  the window bounds. Works with numpy (xp=np) for block counting in benchmarks.
+  """
+  qv, kv = q_seg != 0, kv_seg != 0
 
-    def lo(x, valid):
-        return xp.min(xp.where(valid, x, _BIG), axis=1)
+  def lo(x, valid):
+    return xp.min(xp.where(valid, x, _BIG), axis=1)
 
-    def hi(x, valid):
-        return xp.max(xp.where(valid, x, -_BIG), axis=1)
+  def hi(x, valid):
+    return xp.max(xp.where(valid, x, -_BIG), axis=1)
 
-    ok = (lo(q_seg, qv) <= hi(kv_seg, kv)) & (lo(kv_seg, kv) <= hi(q_seg, qv))
-    if cfg.causal:
-        ok = ok & (lo(kv_pos, kv) <= hi(q_pos, qv))
-    if cfg.window_size is not None:
-        w = cfg.window_size
-        ok = ok & (hi(kv_pos, kv) > lo(q_pos, qv) - w)
-        if not cfg.causal:
-            ok = ok & (lo(kv_pos, kv) < hi(q_pos, qv) + w)
-    return xp.any(ok)
+  ok = (lo(q_seg, qv) <= hi(kv_seg, kv)) & (lo(kv_seg, kv) <= hi(q_seg, qv))
+  if cfg.causal:
+    ok = ok & (lo(kv_pos, kv) <= hi(q_pos, qv))
+  if cfg.window_size is not None:
+    w = cfg.window_size
+    ok = ok & (hi(kv_pos, kv) > lo(q_pos, qv) - w)
+    if not cfg.causal:
+      ok = ok & (lo(kv_pos, kv) < hi(q_pos, qv) + w)
+  return xp.any(ok)
 
 
 def count_ring_blocks(segment_ids, positions, *, ring_size: int, cfg: AttnConfig):
-    """Per-device number of (q sub-chunk, kv sub-chunk) pairs the ring computes.
+  """Per-device number of (q sub-chunk, kv sub-chunk) pairs the ring computes.
 
-    segment_ids, positions: numpy `[B, T]` in the order the ring sees (zigzag or not).
-    Uses the same `maybe_visible` test as the ring, so it counts what it skips.
-    Returns int array `[ring_size]`.
-    """
-    seg = np.asarray(segment_ids)
-    pos = np.asarray(positions)
-    seg_d = np.split(seg, ring_size, axis=1)
-    pos_d = np.split(pos, ring_size, axis=1)
-    c = ring_sub_chunks(cfg, seg_d[0].shape[1])
-    counts = np.zeros(ring_size, dtype=np.int64)
-    for r in range(ring_size):
-        for step in range(ring_size):
-            src = (r - step) % ring_size
-            for qs, qp in zip(np.split(seg_d[r], c, 1), np.split(pos_d[r], c, 1)):
-                for ks, kp in zip(np.split(seg_d[src], c, 1), np.split(pos_d[src], c, 1)):
-                    counts[r] += bool(maybe_visible(qs, ks, qp, kp, cfg, xp=np))
-    return counts
+  segment_ids, positions: numpy `[B, T]` in the order the ring sees (zigzag or not).
+  Uses the same `maybe_visible` test as the ring, so it counts what it skips.
+  Returns int array `[ring_size]`.
+  """
+  seg = np.asarray(segment_ids)
+  pos = np.asarray(positions)
+  seg_d = np.split(seg, ring_size, axis=1)
+  pos_d = np.split(pos, ring_size, axis=1)
+  c = ring_sub_chunks(cfg, seg_d[0].shape[1])
+  counts = np.zeros(ring_size, dtype=np.int64)
+  for r in range(ring_size):
+    for step in range(ring_size):
+      src = (r - step) % ring_size
+      for qs, qp in zip(np.split(seg_d[r], c, 1), np.split(pos_d[r], c, 1)):
+        for ks, kp in zip(np.split(seg_d[src], c, 1), np.split(pos_d[src], c, 1)):
+          counts[r] += bool(maybe_visible(qs, ks, qp, kp, cfg, xp=np))
+  return counts

@@ -7,16 +7,18 @@ parallelism; `context_ulysses` carries the all-to-all part of usp.
 Models name logical axes only (`act_batch`, `embed`, ...); `LOGICAL_RULES` below
 is the single place that says where each goes.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor", "context", "context_ulysses")
 BATCH_AXES = ("data", "fsdp")
@@ -27,25 +29,25 @@ SEQ_AXES = ("context", "context_ulysses")
 # over the context axes: those devices would otherwise hold full replicas, and
 # the per-layer all-gather is the same one FSDP already does.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    # activations
-    ("act_batch", BATCH_AXES),
-    ("act_seq", SEQ_AXES),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_head_dim", None),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-    # parameters
-    ("embed", ("fsdp", "context", "context_ulysses")),
-    ("vocab", "tensor"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("q_lora", None),
-    ("kv_lora", None),
-    ("layers", None),
+  # activations
+  ("act_batch", BATCH_AXES),
+  ("act_seq", SEQ_AXES),
+  ("act_embed", None),
+  ("act_heads", "tensor"),
+  ("act_kv_heads", "tensor"),
+  ("act_head_dim", None),
+  ("act_mlp", "tensor"),
+  ("act_vocab", "tensor"),
+  # parameters
+  ("embed", ("fsdp", "context", "context_ulysses")),
+  ("vocab", "tensor"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("q_lora", None),
+  ("kv_lora", None),
+  ("layers", None),
 )
 
 
@@ -62,6 +64,7 @@ class MeshConfig:
     dcn_data: data-parallel degree across slices (DCN); multiplies `data`.
     dcn_fsdp: fsdp degree across slices (DCN); multiplies `fsdp`.
   """
+
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
@@ -88,14 +91,13 @@ def resolve_mesh_shape(config: MeshConfig, num_devices: int) -> dict[str, int]:
   dcn_total = math.prod(dcn.values())
   if num_devices % dcn_total:
     raise ValueError(
-        f"mesh: {num_devices} devices do not split into dcn_data x dcn_fsdp = "
-        f"{dcn_total} slices.")
+      f"mesh: {num_devices} devices do not split into dcn_data x dcn_fsdp = {dcn_total} slices."
+    )
   per_slice = num_devices // dcn_total
   shape = config.ici_shape()
   unknown = [a for a, s in shape.items() if s == -1]
   if len(unknown) > 1:
-    raise ValueError(
-        f"mesh: only one axis may be -1, got -1 for {unknown} in {shape}.")
+    raise ValueError(f"mesh: only one axis may be -1, got -1 for {unknown} in {shape}.")
   bad = {a: s for a, s in shape.items() if s != -1 and s < 1}
   if bad:
     raise ValueError(f"mesh: axis sizes must be >= 1 or -1, got {bad}.")
@@ -103,28 +105,28 @@ def resolve_mesh_shape(config: MeshConfig, num_devices: int) -> dict[str, int]:
   if unknown:
     if per_slice % known:
       raise ValueError(
-          f"mesh: cannot fill axis '{unknown[0]}': {per_slice} devices per slice"
-          f" are not divisible by the product {known} of the other axes "
-          f"{ {a: s for a, s in shape.items() if s != -1} }.")
+        f"mesh: cannot fill axis '{unknown[0]}': {per_slice} devices per slice"
+        f" are not divisible by the product {known} of the other axes "
+        f"{ {a: s for a, s in shape.items() if s != -1} }."
+      )
     shape[unknown[0]] = per_slice // known
   elif known != per_slice:
     raise ValueError(
-        f"mesh: axis sizes {shape} multiply to {known}, but there are "
-        f"{per_slice} devices per slice ({num_devices} devices, "
-        f"{dcn_total} slices).")
+      f"mesh: axis sizes {shape} multiply to {known}, but there are "
+      f"{per_slice} devices per slice ({num_devices} devices, "
+      f"{dcn_total} slices)."
+    )
   return {a: shape[a] * dcn.get(a, 1) for a in MESH_AXES}
 
 
-def make_mesh(config: MeshConfig,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Builds the 5-axis mesh; multi-slice (DCN) when dcn sizes exceed 1."""
   devices = list(jax.devices() if devices is None else devices)
   full = resolve_mesh_shape(config, len(devices))
   dcn_shape = [config.dcn_data, config.dcn_fsdp, 1, 1, 1]
   ici_shape = [full[a] // d for a, d in zip(MESH_AXES, dcn_shape)]
   if math.prod(dcn_shape) > 1:
-    grid = mesh_utils.create_hybrid_device_mesh(
-        ici_shape, dcn_shape, devices=devices)
+    grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices)
   else:
     try:
       grid = mesh_utils.create_device_mesh(ici_shape, devices=devices)
@@ -148,5 +150,4 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def batch_shard_counts(mesh: Mesh) -> tuple[int, int]:
   """(batch ways, sequence ways) of `batch_sharding`."""
   shape = mesh_shape(mesh)
-  return (math.prod(shape[a] for a in BATCH_AXES),
-          math.prod(shape[a] for a in SEQ_AXES))
+  return (math.prod(shape[a] for a in BATCH_AXES), math.prod(shape[a] for a in SEQ_AXES))

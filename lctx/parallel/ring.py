@@ -15,6 +15,7 @@ dK/dV travel with their block until they arrive back at the owner.
 Local shapes: q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]` (V may differ
 from H: MLA; N % K == 0: MHA/GQA/MQA), seg/pos `[B, T]` int32.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,153 +29,157 @@ from lctx.parallel.block_ops import AttnConfig
 
 
 def _varying(x, *refs):
-    """pcast x to vary over every manual axis any ref varies over (scan carries)."""
-    def vma(a):
-        t = jax.typeof(a)
-        v = getattr(t, "vma", None)
-        if v is None:
-            mat = getattr(t, "manual_axis_type", None)
-            v = mat.varying if mat is not None else frozenset()
-        return frozenset(v)
+  """pcast x to vary over every manual axis any ref varies over (scan carries)."""
 
-    missing = tuple(sorted(frozenset().union(*(vma(r) for r in refs)) - vma(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+  def vma(a):
+    t = jax.typeof(a)
+    v = getattr(t, "vma", None)
+    if v is None:
+      mat = getattr(t, "manual_axis_type", None)
+      v = mat.varying if mat is not None else frozenset()
+    return frozenset(v)
+
+  missing = tuple(sorted(frozenset().union(*(vma(r) for r in refs)) - vma(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _n_chunks(cfg: AttnConfig, length: int) -> int:
-    return block_ops.ring_sub_chunks(cfg, length)
+  return block_ops.ring_sub_chunks(cfg, length)
 
 
 def _piece(x, i, size, axis=1):
-    return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
+  return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
 
 
 def _put(x, piece, i, axis=1):
-    return jax.lax.dynamic_update_slice_in_dim(x, piece, i * piece.shape[axis], axis=axis)
+  return jax.lax.dynamic_update_slice_in_dim(x, piece, i * piece.shape[axis], axis=axis)
 
 
 def _pairs(c, body, carry):
-    """Runs body(i, j, carry) over the c x c (q piece, kv piece) pairs: one traced
-    body instead of c^2 unrolled kernel calls (cheap tracing at 8 x 8 pieces)."""
-    if c == 1:
-        return body(0, 0, carry)
-    return jax.lax.fori_loop(0, c * c, lambda p, cr: body(p // c, p % c, cr), carry)
+  """Runs body(i, j, carry) over the c x c (q piece, kv piece) pairs: one traced
+  body instead of c^2 unrolled kernel calls (cheap tracing at 8 x 8 pieces)."""
+  if c == 1:
+    return body(0, 0, carry)
+  return jax.lax.fori_loop(0, c * c, lambda p, cr: body(p // c, p % c, cr), carry)
 
 
 def _hop_forward(q, seg, pos, kv, acc, c, cfg):
-    """Merges one visiting K/V block into the (o, lse) accumulators, piece pair by
-    piece pair; a pair whose keys are all masked for its queries is skipped."""
-    k, v, ks, kp = kv
-    s = q.shape[1] // c
+  """Merges one visiting K/V block into the (o, lse) accumulators, piece pair by
+  piece pair; a pair whose keys are all masked for its queries is skipped."""
+  k, v, ks, kp = kv
+  s = q.shape[1] // c
 
-    def body(i, j, acc):
-        o, lse = acc
-        qi, qsi, qpi = _piece(q, i, s), _piece(seg, i, s), _piece(pos, i, s)
-        kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
+  def body(i, j, acc):
+    o, lse = acc
+    qi, qsi, qpi = _piece(q, i, s), _piece(seg, i, s), _piece(pos, i, s)
+    kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
 
-        def run(oi, li):
-            ob, lb = block_ops.block_forward(
-                qi, kj, vj, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg)
-            return block_ops.merge(oi, li, ob, lb)
+    def run(oi, li):
+      ob, lb = block_ops.block_forward(
+        qi, kj, vj, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg
+      )
+      return block_ops.merge(oi, li, ob, lb)
 
-        vis = block_ops.maybe_visible(qsi, ksj, qpi, kpj, cfg)
-        oi, li = jax.lax.cond(vis, run, lambda oi, li: (oi, li),
-                              _piece(o, i, s), _piece(lse, i, s, axis=2))
-        return _put(o, oi, i), _put(lse, li, i, axis=2)
+    vis = block_ops.maybe_visible(qsi, ksj, qpi, kpj, cfg)
+    oi, li = jax.lax.cond(
+      vis, run, lambda oi, li: (oi, li), _piece(o, i, s), _piece(lse, i, s, axis=2)
+    )
+    return _put(o, oi, i), _put(lse, li, i, axis=2)
 
-    return _pairs(c, body, acc)
+  return _pairs(c, body, acc)
 
 
 def _ring_forward(cfg, axis, size, q, k, v, seg, pos):
-    """Returns out `[B, T, N, V]` (q.dtype) and lse `[B, N, T]` float32."""
-    b, t, n, _ = q.shape
-    c = _n_chunks(cfg, t)
-    o0 = jnp.zeros((b, t, n, v.shape[-1]), jnp.float32)
-    l0 = jnp.full((b, n, t), MASKED_LSE, jnp.float32)
-    acc = (_varying(o0, q, k, v), _varying(l0, q, k, v))
-    perm = [(i, (i + 1) % size) for i in range(size)]
+  """Returns out `[B, T, N, V]` (q.dtype) and lse `[B, N, T]` float32."""
+  b, t, n, _ = q.shape
+  c = _n_chunks(cfg, t)
+  o0 = jnp.zeros((b, t, n, v.shape[-1]), jnp.float32)
+  l0 = jnp.full((b, n, t), MASKED_LSE, jnp.float32)
+  acc = (_varying(o0, q, k, v), _varying(l0, q, k, v))
+  perm = [(i, (i + 1) % size) for i in range(size)]
 
-    def step(carry, _):
-        acc, kv = carry
-        kv_next = tuple(jax.lax.ppermute(x, axis, perm) for x in kv)  # before compute
-        return (_hop_forward(q, seg, pos, kv, acc, c, cfg), kv_next), None
+  def step(carry, _):
+    acc, kv = carry
+    kv_next = tuple(jax.lax.ppermute(x, axis, perm) for x in kv)  # before compute
+    return (_hop_forward(q, seg, pos, kv, acc, c, cfg), kv_next), None
 
-    kv = (k, v, seg, pos)
-    if size > 1:
-        (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=size - 1)
-    o, lse = _hop_forward(q, seg, pos, kv, acc, c, cfg)
-    return o.astype(q.dtype), lse
+  kv = (k, v, seg, pos)
+  if size > 1:
+    (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=size - 1)
+  o, lse = _hop_forward(q, seg, pos, kv, acc, c, cfg)
+  return o.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _ring(cfg, axis, size, q, k, v, seg, pos):
-    return _ring_forward(cfg, axis, size, q, k, v, seg, pos)[0]
+  return _ring_forward(cfg, axis, size, q, k, v, seg, pos)[0]
 
 
 def _ring_fwd(cfg, axis, size, q, k, v, seg, pos):
-    out, lse = _ring_forward(cfg, axis, size, q, k, v, seg, pos)
-    return out, (q, k, v, seg, pos, out, lse)
+  out, lse = _ring_forward(cfg, axis, size, q, k, v, seg, pos)
+  return out, (q, k, v, seg, pos, out, lse)
 
 
 def _hop_backward(res, kv, dkv, dq, c, cfg):
-    """Adds one visiting block's contributions to dq (local) and dk/dv (travelling)."""
-    q, seg, pos, out, lse, dout = res
-    k, v, ks, kp = kv
-    s = q.shape[1] // c
+  """Adds one visiting block's contributions to dq (local) and dk/dv (travelling)."""
+  q, seg, pos, out, lse, dout = res
+  k, v, ks, kp = kv
+  s = q.shape[1] // c
 
-    def body(i, j, carry):
-        dq, dk, dv = carry
-        qi, qsi, qpi, oi, doi = (_piece(x, i, s) for x in (q, seg, pos, out, dout))
-        li = _piece(lse, i, s, axis=2)
-        kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
+  def body(i, j, carry):
+    dq, dk, dv = carry
+    qi, qsi, qpi, oi, doi = (_piece(x, i, s) for x in (q, seg, pos, out, dout))
+    li = _piece(lse, i, s, axis=2)
+    kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
 
-        def run(dqi, dkj, dvj):
-            a, b_, c_ = block_ops.block_backward(
-                qi, kj, vj, oi, li, doi, q_seg=qsi, kv_seg=ksj, q_pos=qpi,
-                kv_pos=kpj, cfg=cfg)
-            return dqi + a, dkj + b_, dvj + c_
+    def run(dqi, dkj, dvj):
+      a, b_, c_ = block_ops.block_backward(
+        qi, kj, vj, oi, li, doi, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg
+      )
+      return dqi + a, dkj + b_, dvj + c_
 
-        vis = block_ops.maybe_visible(qsi, ksj, qpi, kpj, cfg)
-        dqi, dkj, dvj = jax.lax.cond(vis, run, lambda *a: a, _piece(dq, i, s),
-                                     _piece(dk, j, s), _piece(dv, j, s))
-        return _put(dq, dqi, i), _put(dk, dkj, j), _put(dv, dvj, j)
+    vis = block_ops.maybe_visible(qsi, ksj, qpi, kpj, cfg)
+    dqi, dkj, dvj = jax.lax.cond(
+      vis, run, lambda *a: a, _piece(dq, i, s), _piece(dk, j, s), _piece(dv, j, s)
+    )
+    return _put(dq, dqi, i), _put(dk, dkj, j), _put(dv, dvj, j)
 
-    dq, dk, dv = _pairs(c, body, (dq, dkv[0], dkv[1]))
-    return dq, (dk, dv)
+  dq, dk, dv = _pairs(c, body, (dq, dkv[0], dkv[1]))
+  return dq, (dk, dv)
 
 
 def _ring_bwd(cfg, axis, size, res, dout):
-    q, k, v, seg, pos, out, lse = res
-    c = _n_chunks(cfg, q.shape[1])
-    res = (q, seg, pos, out, lse, dout)
-    dq = _varying(jnp.zeros(q.shape, jnp.float32), q, k, v, dout)
-    dkv = (_varying(jnp.zeros(k.shape, jnp.float32), q, k, v, dout),
-           _varying(jnp.zeros(v.shape, jnp.float32), q, k, v, dout))
-    perm = [(i, (i + 1) % size) for i in range(size)]
+  q, k, v, seg, pos, out, lse = res
+  c = _n_chunks(cfg, q.shape[1])
+  res = (q, seg, pos, out, lse, dout)
+  dq = _varying(jnp.zeros(q.shape, jnp.float32), q, k, v, dout)
+  dkv = (
+    _varying(jnp.zeros(k.shape, jnp.float32), q, k, v, dout),
+    _varying(jnp.zeros(v.shape, jnp.float32), q, k, v, dout),
+  )
+  perm = [(i, (i + 1) % size) for i in range(size)]
 
-    def send(xs):
-        return tuple(jax.lax.ppermute(x, axis, perm) for x in xs)
+  def send(xs):
+    return tuple(jax.lax.ppermute(x, axis, perm) for x in xs)
 
-    def step(carry, _):
-        dq, kv, dkv = carry
-        kv_next = send(kv)  # issued before this hop's compute
-        dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg)
-        return (dq, kv_next, send(dkv)), None
-
-    kv = (k, v, seg, pos)
-    if size > 1:
-        (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), length=size - 1)
+  def step(carry, _):
+    dq, kv, dkv = carry
+    kv_next = send(kv)  # issued before this hop's compute
     dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg)
-    if size > 1:
-        dkv = send(dkv)  # the last hop's block belongs to the next device
-    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
-            None, None)
+    return (dq, kv_next, send(dkv)), None
+
+  kv = (k, v, seg, pos)
+  if size > 1:
+    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), length=size - 1)
+  dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg)
+  if size > 1:
+    dkv = send(dkv)  # the last hop's block belongs to the next device
+  return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: str,
-                         axis_size: int):
-    """Ring attention over `axis_name` (size P) on local shards; returns `[B, T, N, V]`."""
-    return _ring(cfg, axis_name, int(axis_size), q, k, v, seg, pos)
+def ring_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: str, axis_size: int):
+  """Ring attention over `axis_name` (size P) on local shards; returns `[B, T, N, V]`."""
+  return _ring(cfg, axis_name, int(axis_size), q, k, v, seg, pos)

@@ -9,6 +9,7 @@ Composes with tensor parallelism: n is the heads left after tensor sharding.
 usp: the all-to-all runs over `context_ulysses` (inside a ring group) and ring
 attention over `context` (across groups) on the group's sequence chunk.
 """
+
 from __future__ import annotations
 
 import jax
@@ -19,32 +20,32 @@ from lctx.parallel.ring import ring_attention_local
 
 
 def _to_heads(x, axis):
-    """`[B, T/A, n, D]` -> `[B, T, n/A, D]`."""
-    return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+  """`[B, T/A, n, D]` -> `[B, T, n/A, D]`."""
+  return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
 
 
 def _to_seq(x, axis):
-    """`[B, T, n/A, D]` -> `[B, T/A, n, D]`."""
-    return jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
+  """`[B, T, n/A, D]` -> `[B, T/A, n, D]`."""
+  return jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def _gather_tokens(x, axis):
-    return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+  return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
 
 def ulysses_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: str):
-    """Local q `[B, T/A, n, H]` ... -> out `[B, T/A, n, V]`."""
-    q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
-    seg, pos = _gather_tokens(seg, axis_name), _gather_tokens(pos, axis_name)
-    out = block_ops.attend(q, k, v, q_seg=seg, kv_seg=seg, q_pos=pos, kv_pos=pos, cfg=cfg)
-    return _to_seq(out, axis_name)
+  """Local q `[B, T/A, n, H]` ... -> out `[B, T/A, n, V]`."""
+  q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
+  seg, pos = _gather_tokens(seg, axis_name), _gather_tokens(pos, axis_name)
+  out = block_ops.attend(q, k, v, q_seg=seg, kv_seg=seg, q_pos=pos, kv_pos=pos, cfg=cfg)
+  return _to_seq(out, axis_name)
 
 
-def usp_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, ring_axis: str,
-                        ring_size: int, ulysses_axis: str):
-    """Local q `[B, T/(R*U), n, H]` ... -> out `[B, T/(R*U), n, V]`."""
-    q, k, v = (_to_heads(x, ulysses_axis) for x in (q, k, v))
-    seg, pos = _gather_tokens(seg, ulysses_axis), _gather_tokens(pos, ulysses_axis)
-    out = ring_attention_local(q, k, v, seg, pos, cfg=cfg, axis_name=ring_axis,
-                               axis_size=ring_size)
-    return _to_seq(out, ulysses_axis)
+def usp_attention_local(
+  q, k, v, seg, pos, *, cfg: AttnConfig, ring_axis: str, ring_size: int, ulysses_axis: str
+):
+  """Local q `[B, T/(R*U), n, H]` ... -> out `[B, T/(R*U), n, V]`."""
+  q, k, v = (_to_heads(x, ulysses_axis) for x in (q, k, v))
+  seg, pos = _gather_tokens(seg, ulysses_axis), _gather_tokens(pos, ulysses_axis)
+  out = ring_attention_local(q, k, v, seg, pos, cfg=cfg, axis_name=ring_axis, axis_size=ring_size)
+  return _to_seq(out, ulysses_axis)

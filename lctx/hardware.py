@@ -1,0 +1,127 @@
+"""Accelerator facts in one table: memory per device and per host VM.
+
+`--mode=compile` reads it to judge whether a compiled step fits a TPU slice, and
+`--mode=plan` to size setups for TPU slices and GPU nodes. Sources: Google's TPU
+system-architecture pages and NVIDIA's data sheets; TPU HBM figures are what the
+TPU compiler itself enforces where it reported one (its RESOURCE_EXHAUSTED
+message names the available HBM).
+
+Names:
+  - a topology for the TPU compiler: 'v5p:4x4x4', 'tpu7x:4x4x4', 'v6e:2x2' ...
+    (`jax.experimental.topologies.get_topology_desc(platform='tpu', ...)`);
+  - a planner target: '<kind>-<chips>' for TPU slices ('v5p-64', 'tpu7x-64')
+    or '<kind>x<gpus>' for GPU nodes ('h100x8', 'h200x8').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+GiB = 2**30
+GB = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+  """One accelerator kind.
+
+  Attributes:
+    name: the kind as the TPU compiler's topology names spell it ('v5p', ...).
+    hbm_bytes_per_chip: HBM of one chip.
+    devices_per_chip: JAX devices one chip exposes (TPU7x: two TensorCores).
+    chips_per_host: chips attached to one host VM (one process).
+    host_ram_bytes_per_host: RAM of that host VM.
+    peak_bf16_flops_per_chip: dense bf16 peak, for MFU and step-time estimates.
+    platform: 'tpu' or 'gpu'.
+  """
+
+  name: str
+  hbm_bytes_per_chip: int
+  devices_per_chip: int
+  chips_per_host: int
+  host_ram_bytes_per_host: int
+  peak_bf16_flops_per_chip: float
+  platform: str
+
+  @property
+  def hbm_bytes_per_device(self) -> int:
+    return self.hbm_bytes_per_chip // self.devices_per_chip
+
+  @property
+  def devices_per_host(self) -> int:
+    return self.chips_per_host * self.devices_per_chip
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+  a.name: a
+  for a in (
+    # v5p: 95 GiB HBM2e per chip (the compiler enforces 95.74 GiB), one device
+    # per chip, 4 chips and 448 GB of RAM per VM.
+    Accelerator("v5p", int(95.74 * GiB), 1, 4, 448 * GB, 459e12, "tpu"),
+    # v5e / v6e (Trillium): 16 / 32 GiB per chip, 4 chips per VM here (ct5lp /
+    # ct6e-standard-4t: 192 / 720 GB).
+    Accelerator("v5e", 16 * GiB, 1, 4, 192 * GB, 197e12, "tpu"),
+    Accelerator("v6e", 32 * GiB, 1, 4, 720 * GB, 918e12, "tpu"),
+    # TPU7x (Ironwood): 192 GiB per chip exposed as two devices, 4 chips and
+    # 960 GB of RAM per VM; 2,307 dense bf16 TFLOP/s per chip (4,614 in fp8).
+    Accelerator("tpu7x", 192 * GiB, 2, 4, 960 * GB, 2307e12, "tpu"),
+    # GPU nodes for the planner: 8 GPUs and (typically) 2 TB of RAM per node.
+    Accelerator("h100", 80 * GiB, 1, 8, 2000 * GB, 989e12, "gpu"),
+    Accelerator("h200", 141 * GiB, 1, 8, 2000 * GB, 989e12, "gpu"),
+  )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A slice or node: an accelerator kind and how many chips."""
+
+  accelerator: Accelerator
+  chips: int
+
+  @property
+  def devices(self) -> int:
+    return self.chips * self.accelerator.devices_per_chip
+
+  @property
+  def hosts(self) -> int:
+    return max(1, math.ceil(self.chips / self.accelerator.chips_per_host))
+
+
+def accelerator(name: str) -> Accelerator:
+  """The table row of a kind ('v5p', 'tpu7x', 'h100', ...)."""
+  kind = name.lower()
+  if kind not in ACCELERATORS:
+    raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(sorted(ACCELERATORS))}")
+  return ACCELERATORS[kind]
+
+
+def topology_accelerator(topology: str) -> Accelerator:
+  """'v5p:4x4x4' -> the v5p row."""
+  return accelerator(topology.split(":", 1)[0])
+
+
+def topology_chips(topology: str) -> int:
+  """'v5p:4x4x4' -> 64 chips."""
+  try:
+    _, dims = topology.split(":", 1)
+    return math.prod(int(d) for d in dims.split("x"))
+  except ValueError as err:
+    raise ValueError(
+      f"topology {topology!r} is not '<kind>:<AxBxC>' (e.g. 'v5p:4x4x4', 'tpu7x:2x2x1')"
+    ) from err
+
+
+def parse_target(name: str) -> Target:
+  """'v5p-64' (64 chips), 'tpu7x-64', 'h100x8' (8 GPUs) or a topology 'v5p:4x4x4'."""
+  if ":" in name:
+    return Target(topology_accelerator(name), topology_chips(name))
+  m = re.fullmatch(r"([a-z0-9]+?)(?:-|x)(\d+)", name.lower())
+  if not m:
+    raise ValueError(
+      f"hardware {name!r} is not '<kind>-<chips>' (TPU, e.g. 'v5p-64') or "
+      f"'<kind>x<gpus>' (GPU, e.g. 'h100x8'); known kinds: {', '.join(sorted(ACCELERATORS))}"
+    )
+  return Target(accelerator(m.group(1)), int(m.group(2)))

@@ -35,6 +35,10 @@ class Accelerator:
     host_ram_bytes_per_host: RAM of that host VM.
     peak_bf16_flops_per_chip: dense bf16 peak, for MFU and step-time estimates.
     platform: 'tpu' or 'gpu'.
+    compiler_hbm_bytes_per_device: the HBM per device the TPU compiler itself
+      enforces (the "available HBM" of its RESOURCE_EXHAUSTED message, printed
+      in GiB to two decimals); 0 where not measured. A little less than the
+      chip's share: the runtime keeps some for itself.
   """
 
   name: str
@@ -44,9 +48,13 @@ class Accelerator:
   host_ram_bytes_per_host: int
   peak_bf16_flops_per_chip: float
   platform: str
+  compiler_hbm_bytes_per_device: int = 0
 
   @property
   def hbm_bytes_per_device(self) -> int:
+    """HBM one device may use: the compiler's own limit where measured."""
+    if self.compiler_hbm_bytes_per_device:
+      return self.compiler_hbm_bytes_per_device
     return self.hbm_bytes_per_chip // self.devices_per_chip
 
   @property
@@ -57,16 +65,21 @@ class Accelerator:
 ACCELERATORS: dict[str, Accelerator] = {
   a.name: a
   for a in (
-    # v5p: 95 GiB HBM2e per chip (the compiler enforces 95.74 GiB), one device
-    # per chip, 4 chips and 448 GB of RAM per VM.
-    Accelerator("v5p", int(95.74 * GiB), 1, 4, 448 * GB, 459e12, "tpu"),
+    # TPU HBM limits below are the compiler's "exceeds available HBM (Y G)"
+    # (G = GiB) for a deliberately oversized program compiled on compile-only
+    # devices, libtpu 0.0.42.1 (jax 0.10.2), 2026-12-01: v5p 95.74, v5e 15.75,
+    # v6e 31.25, tpu7x 94.75 GiB per device.
+    # v5p: 95 GiB HBM2e per chip, one device per chip (megacore), 4 chips and
+    # 448 GB of RAM per VM.
+    Accelerator("v5p", 95 * GiB, 1, 4, 448 * GB, 459e12, "tpu", int(95.74 * GiB)),
     # v5e / v6e (Trillium): 16 / 32 GiB per chip, 4 chips per VM here (ct5lp /
     # ct6e-standard-4t: 192 / 720 GB).
-    Accelerator("v5e", 16 * GiB, 1, 4, 192 * GB, 197e12, "tpu"),
-    Accelerator("v6e", 32 * GiB, 1, 4, 720 * GB, 918e12, "tpu"),
-    # TPU7x (Ironwood): 192 GiB per chip exposed as two devices, 4 chips and
-    # 960 GB of RAM per VM; 2,307 dense bf16 TFLOP/s per chip (4,614 in fp8).
-    Accelerator("tpu7x", 192 * GiB, 2, 4, 960 * GB, 2307e12, "tpu"),
+    Accelerator("v5e", 16 * GiB, 1, 4, 192 * GB, 197e12, "tpu", int(15.75 * GiB)),
+    Accelerator("v6e", 32 * GiB, 1, 4, 720 * GB, 918e12, "tpu", int(31.25 * GiB)),
+    # TPU7x (Ironwood): 192 GiB per chip exposed as two devices (one per
+    # TensorCore) of 94.75 GiB each, 4 chips and 960 GB of RAM per VM; 2,307
+    # dense bf16 TFLOP/s per chip (4,614 in fp8).
+    Accelerator("tpu7x", 192 * GiB, 2, 4, 960 * GB, 2307e12, "tpu", int(94.75 * GiB)),
     # GPU nodes for the planner: 8 GPUs and (typically) 2 TB of RAM per node.
     Accelerator("h100", 80 * GiB, 1, 8, 2000 * GB, 989e12, "gpu"),
     Accelerator("h200", 141 * GiB, 1, 8, 2000 * GB, 989e12, "gpu"),

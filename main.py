@@ -3,6 +3,7 @@ r"""lctx entry point: gin files + absl flags -> lctx.train.run.
 python main.py --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx
 python main.py --gin_file=gin/usp_ironwood.gin --gin_param="TrainConfig.steps=10"
 python main.py --mode=inspect_data --gin_file=gin/local_cpu.gin
+python main.py --mode=compile --gin_file=gin/ring_v5p.gin --compile_topology=v5p:4x4x4
 """
 
 import os
@@ -17,7 +18,16 @@ flags.DEFINE_multi_string(
 )
 flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics).")
 flags.DEFINE_enum(
-  "mode", "train", ["train", "eval", "train_and_eval", "inspect_data"], "What to run."
+  "mode", "train", ["train", "eval", "train_and_eval", "inspect_data", "compile"], "What to run."
+)
+flags.DEFINE_string(
+  "compile_topology",
+  None,
+  "--mode=compile: the TPU slice to compile the train step for, e.g. 'v5p:4x4x4', "
+  "'tpu7x:4x4x4' (compile-only devices from libtpu; no TPU needed).",
+)
+flags.DEFINE_integer(
+  "compile_topology_num_slices", 1, "--mode=compile: how many such slices (multi-slice, DCN)."
 )
 flags.DEFINE_integer(
   "fake_devices",
@@ -58,6 +68,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  if FLAGS.mode == "compile":
+    # libtpu compiles for TPU devices it only describes; other processes may
+    # hold it too, and there is no TPU metadata server to ask.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   import gin  # pylint: disable=g-import-not-at-top
   from lctx import gin_utils  # pylint: disable=g-import-not-at-top
 
@@ -83,6 +98,15 @@ def main(argv):
   logging.info("Operative config:\n%s", operative)
   with open(os.path.join(workdir, "config.gin"), "w") as f:
     f.write(operative)
+  if FLAGS.mode == "compile":
+    record = train.run(
+      "compile",
+      workdir,
+      experiment,
+      compile_topology=FLAGS.compile_topology,
+      compile_topology_num_slices=FLAGS.compile_topology_num_slices,
+    )
+    return 0 if record["fits"] else 1
   train.run(FLAGS.mode, workdir, experiment)
 
 

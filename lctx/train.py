@@ -5,7 +5,9 @@
                   checkpoint in the workdir;
   eval            evaluate the latest checkpoint (held-out loss + retrieval);
   train_and_eval  train, then evaluate;
-  inspect_data    print packing statistics of the training stream.
+  inspect_data    print packing statistics of the training stream;
+  compile         compile the train step for a TPU slice from any machine and
+                  report its memory (lctx/compile.py; returns the record).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lctx import models
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
-MODES = ("train", "eval", "train_and_eval", "inspect_data")
+MODES = ("train", "eval", "train_and_eval", "inspect_data", "compile")
 
 
 def _register_task_sources():
@@ -219,11 +221,25 @@ def _summary(results: dict[str, float], limit: int = 8) -> str:
   return ", ".join(f"{k}={results[k]:.2f}" for k in keys[:limit])
 
 
-def run(mode: str, workdir: str, exp: Experiment) -> None:
-  """Runs one experiment in `workdir` (created if missing)."""
+def run(
+  mode: str,
+  workdir: str,
+  exp: Experiment,
+  *,
+  compile_topology: str | None = None,
+  compile_topology_num_slices: int = 1,
+):
+  """Runs one experiment in `workdir` (created if missing); `compile` returns
+  its compile.json record."""
   if mode not in MODES:
     raise ValueError(f"--mode={mode!r} is not one of {MODES}.")
   os.makedirs(workdir, exist_ok=True)
+  if mode == "compile":
+    from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
+
+    return compile_lib.run_compile(
+      exp, workdir, topology=compile_topology, num_slices=compile_topology_num_slices
+    )
   mesh = mesh_lib.make_mesh(exp.mesh)
   logging.info(
     "Mesh %s on %d devices (%s).",

@@ -1,0 +1,320 @@
+r"""`--mode=compile`: the train step compiled for a named TPU slice, from any machine.
+
+python main.py --mode=compile --gin_file=gin/ring_v5p.gin --compile_topology=v5p:4x4x4
+
+libtpu describes a TPU slice without one (`jax.experimental.topologies`): its
+compile-only devices take the real mesh, the real model and the real sequence
+length, and the TPU compiler itself says how much HBM (and pinned host memory)
+each device needs. No parameter is materialised: the step is lowered on
+`ShapeDtypeStruct`s. MaxText's `train_compile.py` is the same tool.
+
+`compile_step` returns the record that `run_compile` writes to
+`<workdir>/compile.json`; a compile-time out-of-memory is a result there
+(`fits: false`), not an exception.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import re
+import time
+from typing import Any
+
+from lctx import hardware
+
+GiB = hardware.GiB
+INSTALL_HINT = (
+  "--mode=compile needs libtpu, the TPU compiler (no TPU needed): "
+  "pip install -e '.[tpu]'  (it brings jax[tpu] and libtpu)"
+)
+# The compiler's own HBM check: "Ran out of memory on HBM, the total memory
+# required for HLO temporaries (97.88G) exceeds available HBM (95.74G)." G is
+# GiB. The first figure is the whole program's (arguments + outputs - aliased
+# + temporaries), not temporaries alone.
+_HBM_OOM = re.compile(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# Other RESOURCE_EXHAUSTED phrasings: "Used 120.5G of 95.74G hbm."
+_USED_OF = re.compile(r"Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? hbm", re.I)
+
+
+# ----------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------
+def topology_devices(topology: str, num_slices: int = 1) -> list:
+  """Compile-only devices of `num_slices` slices of `topology` ('v5p:4x4x4')."""
+  hardware.topology_accelerator(topology)  # a known kind, or a clear error
+  hardware.topology_chips(topology)
+  if num_slices < 1:
+    raise ValueError(f"--compile_topology_num_slices must be >= 1; got {num_slices}.")
+  # Other processes on this machine may hold libtpu too; and there is no TPU
+  # metadata server to ask. Read when libtpu loads (first topology call).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  if importlib.util.find_spec("libtpu") is None:
+    raise RuntimeError(INSTALL_HINT)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+  try:
+    desc = topologies.get_topology_desc(
+      platform="tpu", topology_name=topology, num_slices=num_slices
+    )
+  except Exception as err:  # pylint: disable=broad-except
+    raise ValueError(
+      f"libtpu cannot describe topology {topology!r} x {num_slices} slice(s): {err}. "
+      "Names look like 'v5p:4x4x4', 'tpu7x:4x4x4', 'v6e:2x2'."
+    ) from err
+  return list(desc.devices)
+
+
+def _mesh_config(exp, topology: str, num_slices: int):
+  """The gin file's MeshConfig; across slices, data parallel over DCN unless set."""
+  cfg = exp.mesh
+  dcn = cfg.dcn_data * cfg.dcn_fsdp
+  if num_slices > 1 and dcn == 1:
+    return dataclasses.replace(cfg, dcn_data=num_slices), (
+      f"MeshConfig.dcn_data = {num_slices}: data parallel across the slices"
+    )
+  if dcn != num_slices:
+    raise ValueError(
+      f"MeshConfig.dcn_data x dcn_fsdp = {cfg.dcn_data} x {cfg.dcn_fsdp} = {dcn} slices, "
+      f"but --compile_topology_num_slices={num_slices} ({topology})."
+    )
+  return cfg, ""
+
+
+# ----------------------------------------------------------------------------
+# What the compiled program says
+# ----------------------------------------------------------------------------
+def attention_backend_of(hlo_text: str, configured: str = "auto") -> str:
+  """The attention kernel a compiled (optimised) HLO module really runs.
+
+  The fast kernels leave their mark in the module: 'splash' (Mosaic calls
+  named splash_*), 'splash_interpret' (splash run by the Pallas interpreter,
+  as plain HLO), 'cudnn' (cuDNN fused attention), 'cpu' (lctx's fused C++
+  kernel, an XLA FFI call); several are joined by '+'. The pure-JAX kernels
+  compile to plain XLA ops with no name of their own, so where no fast kernel
+  is found the answer is the configured pure-JAX backend: 'blockwise' for
+  'auto' (what auto falls back to), else 'reference' or 'xla' as configured.
+  """
+  found = []
+  mosaic = re.findall(r"%(\S+) = .*custom_call_target=\"tpu_custom_call\"", hlo_text)
+  if any("splash" in name for name in mosaic):
+    found.append("splash")
+  elif "splash" in hlo_text:
+    found.append("splash_interpret")
+  if "__cudnn$fmha" in hlo_text:
+    found.append("cudnn")
+  if "lctx_cpu_attention" in hlo_text:
+    found.append("cpu")
+  if found:
+    return "+".join(found)
+  return configured if configured in ("reference", "xla") else "blockwise"
+
+
+def _memory(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  get = lambda name: int(getattr(m, name, 0) or 0)  # noqa: E731
+  per_device = {
+    "argument_bytes": get("argument_size_in_bytes"),
+    "output_bytes": get("output_size_in_bytes"),
+    "alias_bytes": get("alias_size_in_bytes"),
+    "temp_bytes": get("temp_size_in_bytes"),
+  }
+  per_device["total_bytes"] = (
+    per_device["argument_bytes"]
+    + per_device["output_bytes"]
+    - per_device["alias_bytes"]
+    + per_device["temp_bytes"]
+  )
+  per_device["host_bytes"] = (
+    get("host_argument_size_in_bytes")
+    + get("host_output_size_in_bytes")
+    - get("host_alias_size_in_bytes")
+    + get("host_temp_size_in_bytes")
+  )
+  return per_device
+
+
+def _oom_bytes(message: str) -> tuple[int | None, int | None]:
+  """(needed, available) bytes per device from a RESOURCE_EXHAUSTED message."""
+  m = _HBM_OOM.search(message)
+  if m:
+    return int(float(m.group(1)) * GiB), int(float(m.group(2)) * GiB)
+  m = _USED_OF.search(message)
+  if m:
+    return (
+      int(float(m.group(1)) * _UNITS[m.group(2).upper()]),
+      int(float(m.group(3)) * _UNITS[m.group(4).upper()]),
+    )
+  return None, None
+
+
+def _flops(compiled) -> float | None:
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if isinstance(cost, list):
+    cost = cost[0] if cost else {}
+  flops = (cost or {}).get("flops")
+  return float(flops) if flops is not None else None
+
+
+# ----------------------------------------------------------------------------
+# The mode
+# ----------------------------------------------------------------------------
+def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
+  """Compiles `exp`'s train step for `num_slices` slices of `topology`.
+
+  Returns the compile.json record (see README "Will it fit?"). A compile that
+  runs out of HBM returns `fits: False` with the compiler's figures; invalid
+  configs (mesh, strategy, shapes) raise ValueError as in every mode.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
+
+  accel = hardware.topology_accelerator(topology)
+  chips = hardware.topology_chips(topology) * num_slices
+  devices = topology_devices(topology, num_slices)
+  mesh_cfg, mesh_note = _mesh_config(exp, topology, num_slices)
+  try:
+    mesh = mesh_lib.make_mesh(mesh_cfg, devices=devices)
+  except ValueError as err:
+    raise ValueError(f"--compile_topology={topology} ({len(devices)} devices): {err}") from err
+  trainer = Trainer(exp.model, exp.train, mesh)
+  devices_per_vm = min(accel.devices_per_host, len(devices) // num_slices)
+  record: dict[str, Any] = {
+    "topology": topology,
+    "num_slices": num_slices,
+    "device_kind": devices[0].device_kind,
+    "devices": len(devices),
+    "devices_per_chip": len(devices) // chips,
+    "batch_size": exp.train.batch_size,
+    "seq_len": exp.train.seq_len,
+    "tokens_per_step": exp.train.batch_size * exp.train.seq_len,
+    "strategy": trainer.strategy,
+    "attention_backend": None,
+    "per_device": None,
+    "hbm_bytes_per_device": accel.hbm_bytes_per_device,
+    "host_bytes_per_vm": None,
+    "host_ram_bytes_per_vm": accel.host_ram_bytes_per_host,
+    "fits": False,
+    "compile_seconds": None,
+    # Extras (not part of the contract).
+    "mesh": mesh_lib.mesh_shape(mesh),
+    "devices_per_vm": devices_per_vm,
+    "remat_policy": getattr(exp.model, "remat_policy", None),
+    "jax_version": jax.__version__,
+    "libtpu_version": _libtpu_version(),
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+    "notes": [mesh_note] if mesh_note else [],
+  }
+  t0 = time.perf_counter()
+  try:
+    compiled = trainer.lower_train_step().compile()
+  except jax.errors.JaxRuntimeError as err:
+    message = str(err)
+    if "RESOURCE_EXHAUSTED" not in message:
+      raise
+    record["compile_seconds"] = round(time.perf_counter() - t0, 1)
+    needed, available = _oom_bytes(message)
+    record["error"] = message.strip().splitlines()[0][:1000]
+    record["compiler_needed_bytes"] = needed
+    record["compiler_available_bytes"] = available
+    record["per_device"] = dict.fromkeys(
+      ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "host_bytes"), None
+    )
+    # The compiler's figure for the whole program (see _HBM_OOM).
+    record["per_device"]["total_bytes"] = needed
+    return record
+  record["compile_seconds"] = round(time.perf_counter() - t0, 1)
+  per_device = _memory(compiled)
+  hlo = compiled.as_text()
+  record["attention_backend"] = attention_backend_of(hlo, exp.train.attention_backend)
+  record["per_device"] = per_device
+  record["host_bytes_per_vm"] = per_device["host_bytes"] * devices_per_vm
+  record["flops_per_device"] = _flops(compiled)
+  hbm_ok = per_device["total_bytes"] <= accel.hbm_bytes_per_device
+  host_ok = record["host_bytes_per_vm"] <= accel.host_ram_bytes_per_host
+  record["fits"] = hbm_ok and host_ok
+  if not hbm_ok:
+    record["notes"].append(
+      "the compiler accepted this program (its own HBM check passed), but the total it "
+      f"reports, {_gib(per_device['total_bytes'])} GiB, exceeds the "
+      f"{_gib(accel.hbm_bytes_per_device)} GiB per device; see README 'Will it fit?' on why "
+      "the two disagree. Counted as not fitting."
+    )
+  return record
+
+
+def _libtpu_version() -> str | None:
+  try:
+    from importlib import metadata  # pylint: disable=g-import-not-at-top
+
+    return metadata.version("libtpu")
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _gib(n: int | None) -> str:
+  return "?" if n is None else f"{n / GiB:.2f}"
+
+
+def summary(record: dict[str, Any]) -> str:
+  """The readable report of one compile record."""
+  r, d = record, record["per_device"]
+  lines = [
+    f"compile {r['topology']} x {r['num_slices']} slice(s): {r['devices']} devices "
+    f"({r['device_kind']}, {r['devices_per_chip']} per chip), mesh {r['mesh']}",
+    f"  batch {r['batch_size']:,} x seq {r['seq_len']:,} = {r['tokens_per_step']:,} tokens per "
+    f"step; strategy {r['strategy']}; attention kernel compiled: {r['attention_backend']}; "
+    f"remat {r['remat_policy']}",
+  ]
+  hbm = r["hbm_bytes_per_device"]
+  if d["argument_bytes"] is not None:
+    lines += [
+      f"  per device: arguments {_gib(d['argument_bytes'])} + outputs {_gib(d['output_bytes'])}"
+      f" - aliased {_gib(d['alias_bytes'])} + temporaries {_gib(d['temp_bytes'])}"
+      f" = {_gib(d['total_bytes'])} GiB of {_gib(hbm)} GiB HBM "
+      f"({100 * d['total_bytes'] / hbm:.1f}%)",
+      f"  pinned host memory: {_gib(d['host_bytes'])} GiB per device, "
+      f"{_gib(r['host_bytes_per_vm'])} GiB per VM ({r['devices_per_vm']} devices) of "
+      f"{_gib(r['host_ram_bytes_per_vm'])} GiB RAM",
+    ]
+  else:
+    lines.append(f"  compiler: {r.get('error')}")
+  lines.append(f"  compiled in {r['compile_seconds']} s")
+  lines += [f"  note: {n}" for n in r["notes"]]
+  if r["fits"]:
+    lines.append(f"fits: {_gib(d['total_bytes'])} GiB of {_gib(hbm)} GiB per device")
+  elif d["total_bytes"] is not None and d["total_bytes"] > hbm:
+    lines.append(f"does not fit: needs {_gib(d['total_bytes'])} GiB of {_gib(hbm)} GiB per device")
+  elif d["total_bytes"] is None:
+    lines.append(f"does not fit: out of HBM ({_gib(hbm)} GiB per device)")
+  else:
+    lines.append(
+      f"does not fit: needs {_gib(r['host_bytes_per_vm'])} GiB of pinned host memory of "
+      f"{_gib(r['host_ram_bytes_per_vm'])} GiB RAM per VM"
+    )
+  return "\n".join(lines)
+
+
+def run_compile(exp, workdir: str, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
+  """`--mode=compile`: compiles, prints the summary, writes <workdir>/compile.json."""
+  if not topology:
+    raise ValueError(
+      "--mode=compile needs --compile_topology, e.g. --compile_topology=v5p:4x4x4 "
+      "(optionally --compile_topology_num_slices=N)."
+    )
+  record = compile_step(exp, topology=topology, num_slices=num_slices)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "compile.json"), "w") as f:
+    json.dump(record, f, indent=2)
+  print(summary(record), flush=True)
+  return record

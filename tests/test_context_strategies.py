@@ -128,9 +128,9 @@ def test_strategy_matches_reference(strategy, mesh_name, heads, causal, lb):
 def test_strategy_on_fused_cpu_kernel(strategy, mesh_name, heads, causal, lb):
   """float32 with head dims of 16/32: "auto" runs the fused C++ kernel inside the
   strategies (ring: its per-hop block forward/backward too)."""
-  from lctx.kernels import cpu_fused
+  from lctx.kernels import cpu_build, cpu_fused
 
-  if cpu_fused._compiler() is None:
+  if cpu_build.compiler() is None:
     pytest.skip("no C++ compiler on this machine")
   assert cpu_fused.available(), cpu_fused.unavailable_reason()
   mesh = _mesh(mesh_name)

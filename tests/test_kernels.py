@@ -210,9 +210,9 @@ CPU_CASES = [c for c in ALL_CASES if c != "mla_head_dims"] + ["mla_head_dims16",
 
 
 def _need_cpu_kernel():
-  from lctx.kernels import cpu_fused
+  from lctx.kernels import cpu_build, cpu_fused
 
-  if cpu_fused._compiler() is None:
+  if cpu_build.compiler() is None:
     pytest.skip("no C++ compiler on this machine")
   assert cpu_fused.available(), cpu_fused.unavailable_reason()
 

@@ -1,30 +1,45 @@
 """Attention and loss kernels: flash attention (+ reference), chunked loss and MLP.
 
-flash_attention's backends: pure-JAX blockwise, a fused C++ kernel for the XLA
-CPU backend (cpu_fused.py, built on first use), splash (TPU), cuDNN (GPU).
+Where things are:
+- flash.py: `flash_attention` and the ring block API, and the one place a
+  backend is chosen (`choose_backend`, by platform and mask);
+- blockwise.py / blockwise_core.py: the pure-JAX block-sparse kernel (wrappers,
+  custom_vjp, block API / the per-example loop bodies), block_map.py its skip map;
+- cpu_fused.py / cpu_build.py: the fused C++ CPU kernel's JAX binding / its
+  build, cache and XLA FFI registration (source: cpu_attention.cc);
+- splash.py: TPU Pallas splash attention; jax_nn.py: jax.nn's xla and cudnn;
+- reference.py: the dense plain-jnp reference; masking.py: the one mask rule;
+- shard_typing.py: typing helpers for loop carries and cotangents in shard_map;
+- chunked.py: sequence-chunked cross-entropy and MLP.
 
 Imports nothing else from lctx. See docs/contracts.md for the signatures.
 """
 
-from lctx.kernels.backends import BACKENDS, flash_attention, splash_attention, xla_attention
-from lctx.kernels.blockwise import (
-  attention_block_backward,
-  attention_block_forward,
-  blockwise_attention,
-  blockwise_block_counts,
-)
+from lctx.kernels.blockwise import blockwise_attention, blockwise_block_counts
 from lctx.kernels.chunked import chunked_cross_entropy, chunked_mlp, reference_cross_entropy
 from lctx.kernels.cpu_fused import cpu_fused_attention
+from lctx.kernels.flash import (
+  BACKENDS,
+  PLATFORMS,
+  attention_block_backward,
+  attention_block_forward,
+  choose_backend,
+  flash_attention,
+)
+from lctx.kernels.jax_nn import xla_attention
 from lctx.kernels.masking import MASKED_LSE
 from lctx.kernels.reference import reference_attention
+from lctx.kernels.splash import splash_attention
 
 __all__ = [
   "BACKENDS",
   "MASKED_LSE",
+  "PLATFORMS",
   "attention_block_backward",
   "attention_block_forward",
   "blockwise_attention",
   "blockwise_block_counts",
+  "choose_backend",
   "chunked_cross_entropy",
   "chunked_mlp",
   "cpu_fused_attention",

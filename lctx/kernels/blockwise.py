@@ -1,8 +1,9 @@
 """Public blockwise attention: layout changes, padding, custom_vjp, ring block API.
 
-`blockwise_attention` is the CPU (and fallback) backend of
-`lctx.kernels.flash_attention`. `attention_block_forward` / `_backward` expose the
-same kernel to the ring strategy, which runs its own custom_vjp around them.
+`blockwise_attention` is the portable (and fallback) backend of
+`lctx.kernels.flash_attention`; `blockwise_block_forward` / `_backward` are its
+form of the ring block API (`lctx.kernels.attention_block_forward` / `_backward`
+dispatch to them), around which the ring strategy runs its own custom_vjp.
 """
 
 from __future__ import annotations
@@ -12,31 +13,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lctx.kernels.flash import (
-  Blocked,
-  Cfg,
-  _backward_example,
-  _forward_example,
-  cotangent_like,
-)
+from lctx.kernels.blockwise_core import Blocked, Cfg, backward_example, forward_example
 from lctx.kernels.masking import (
   MASKED_LSE,
   MaskArgs,
   check_shapes,
   default_scale,
   normalize_mask_args,
+  pad_axis,
 )
+from lctx.kernels.shard_typing import cotangent_like
 
 _F32 = jnp.float32
-
-
-def _pad_len(x, target, axis, value=0):
-  pad = target - x.shape[axis]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
 
 
 def _block_sizes(t, s, block_q, block_kv):
@@ -56,11 +44,11 @@ def _prepare(q, k, v, mask: MaskArgs, cfg: Cfg):
   if (nq * bq != t or nk * bk != s) and q_seg is None:
     # Padding must be invisible: give real tokens segment 1 and padding 0.
     q_seg, kv_seg = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
-  q = _pad_len(q, nq * bq, 1)
-  k, v = _pad_len(k, nk * bk, 1), _pad_len(v, nk * bk, 1)
-  qp, kp = _pad_len(mask.q_positions, nq * bq, 1), _pad_len(mask.kv_positions, nk * bk, 1)
+  q = pad_axis(q, nq * bq, 1)
+  k, v = pad_axis(k, nk * bk, 1), pad_axis(v, nk * bk, 1)
+  qp, kp = pad_axis(mask.q_positions, nq * bq, 1), pad_axis(mask.kv_positions, nk * bk, 1)
   if q_seg is not None:
-    q_seg, kv_seg = _pad_len(q_seg, nq * bq, 1), _pad_len(kv_seg, nk * bk, 1)
+    q_seg, kv_seg = pad_axis(q_seg, nq * bq, 1), pad_axis(kv_seg, nk * bk, 1)
   qs = (
     (q * jnp.asarray(cfg.scale, q.dtype))
     if q.dtype == _F32
@@ -89,7 +77,7 @@ def _rows_to_btnx(x, b, t, n, g):
 def _btnx_to_rows(x, nq, kh, g, bq):
   """`[B, T, N, X]` -> `[B, nq, K, G*bq, X]` (padding rows with zeros)."""
   b, _, _, xd = x.shape
-  x = _pad_len(x, nq * bq, 1)
+  x = pad_axis(x, nq * bq, 1)
   return x.reshape(b, nq, bq, kh, g, xd).transpose(0, 1, 3, 4, 2, 5).reshape(b, nq, kh, g * bq, xd)
 
 
@@ -108,7 +96,7 @@ def _forward(q, k, v, mask: MaskArgs, cfg: Cfg):
   b, t, _, n, kh, _, _ = check_shapes(q, k, v)
   qb, kb, vb, bl = _prepare(q, k, v, mask, cfg)
   out, lse, counts = jax.lax.map(
-    lambda a: _forward_example(cfg, a[0], a[1], a[2], Blocked(*a[3])), (qb, kb, vb, tuple(bl))
+    lambda a: forward_example(cfg, a[0], a[1], a[2], Blocked(*a[3])), (qb, kb, vb, tuple(bl))
   )
   g = n // kh
   return _rows_to_btnx(out, b, t, n, g), _lse_from_rows(lse, b, t, n, g), counts
@@ -129,7 +117,7 @@ def _backward(q, k, v, out, lse, dout, dlse, mask: MaskArgs, cfg: Cfg):
   lse_r = _lse_to_rows(lse.astype(_F32), nq, kh, g, bq)
   delta_r = _lse_to_rows(delta, nq, kh, g, bq)
   dq, dk, dv = jax.lax.map(
-    lambda a: _backward_example(cfg, a[0], a[1], a[2], a[3], a[4], a[5], Blocked(*a[6])),
+    lambda a: backward_example(cfg, a[0], a[1], a[2], a[3], a[4], a[5], Blocked(*a[6])),
     (qb, kb, vb, dob, lse_r, delta_r, tuple(bl)),
   )
   dq = _rows_to_btnx(dq, b, t, n, g) * cfg.scale
@@ -268,7 +256,7 @@ def blockwise_block_counts(
   return counts, out.astype(q.dtype)
 
 
-def attention_block_forward(
+def blockwise_block_forward(
   q,
   k,
   v,
@@ -290,7 +278,7 @@ def attention_block_forward(
   `[B, N, T]` float32 (MASKED_LSE where a row sees no key of this block; its out
   is 0). Merge two partials with lse = logaddexp(lse_a, lse_b),
   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse). Not differentiable
-  by itself: use attention_block_backward in the caller's custom_vjp.
+  by itself: use blockwise_block_backward in the caller's custom_vjp.
   """
   seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
   mask, cfg = _setup(
@@ -300,7 +288,7 @@ def attention_block_forward(
   return out, lse
 
 
-def attention_block_backward(
+def blockwise_block_backward(
   q,
   k,
   v,
@@ -334,8 +322,8 @@ def attention_block_backward(
 
 __all__ = [
   "MASKED_LSE",
-  "attention_block_backward",
-  "attention_block_forward",
   "blockwise_attention",
+  "blockwise_block_backward",
   "blockwise_block_counts",
+  "blockwise_block_forward",
 ]

@@ -1,11 +1,8 @@
-"""Fused CPU flash attention: the C++ kernel in cpu_attention.cc, through XLA FFI.
+"""Fused CPU flash attention: the JAX binding of the C++ kernel in cpu_attention.cc.
 
-The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else
-g++ or c++) against the XLA FFI headers that ship with jaxlib, with
-`-march=native`, and cached under `$LCTX_KERNEL_CACHE` (default
-`~/.cache/lctx/kernels`), keyed by the source, jaxlib version, compiler and host
-CPU. Where no compiler works, `available()` is False and says why;
-`flash_attention(backend="auto")` then stays on the pure-JAX blockwise kernel.
+The kernel is built, cached and registered with XLA FFI by cpu_build.py; where it
+cannot be built, `available()` is False and says why, and
+`flash_attention(backend="auto")` stays on the pure-JAX blockwise kernel.
 
 Scope: float32 q/k/v, head dims that are multiples of 16, any mask of
 masking.py (segments, causal, window on explicit positions), GQA/MQA. One call
@@ -15,112 +12,25 @@ threaded: on the fake-device CPU mesh every device already has its own thread.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lctx.kernels.blockwise import _pad_len
-from lctx.kernels.flash import _varying_like, cotangent_like
-from lctx.kernels.masking import check_shapes, default_scale, normalize_mask_args
+from lctx.kernels import cpu_build
+from lctx.kernels.cpu_build import BWD_TARGET, FWD_TARGET, available, unavailable_reason
+from lctx.kernels.masking import check_shapes, default_scale, normalize_mask_args, pad_axis
+from lctx.kernels.shard_typing import cotangent_like, varying_like
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cc")
-_FWD, _BWD = "lctx_cpu_attention_fwd", "lctx_cpu_attention_bwd"
 _Q_MULT, _KV_MULT = 8, 64  # the kernel's length granules (cpu_attention.cc)
 
 
-def _compiler() -> str | None:
-  for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-    if name and shutil.which(name):
-      return shutil.which(name)
-  return None
-
-
-def _cpu_id() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("flags"):
-          return line
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-  return Path(os.environ.get("LCTX_KERNEL_CACHE", Path.home() / ".cache" / "lctx" / "kernels"))
-
-
-def _build() -> Path:
-  """Compiles (or finds cached) the shared library; raises RuntimeError why not."""
-  cxx = _compiler()
-  if cxx is None:
-    raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
-  include = jax.ffi.include_dir()
-  flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-  key = hashlib.sha256()
-  for part in (
-    _SOURCE.read_bytes(),
-    (Path(include) / "xla/ffi/api/ffi.h").read_bytes(),
-    jax.__version__.encode(),
-    cxx.encode(),
-    " ".join(flags).encode(),
-    _cpu_id().encode(),
-  ):
-    key.update(part)
-  out = _cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
-  if out.exists():
-    return out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  # Build beside the target and rename: concurrent builders never see half a file.
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-  os.close(fd)
-  cmd = [cxx, *flags, f"-I{include}", str(_SOURCE), "-o", tmp]
-  proc = subprocess.run(cmd, capture_output=True, text=True)
-  if proc.returncode != 0:
-    os.unlink(tmp)
-    raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-2000:]}")
-  os.replace(tmp, out)
-  return out
-
-
-@functools.cache
-def _load() -> tuple[bool, str]:
-  """(available, reason). Registers the FFI targets once per process."""
-  if os.environ.get("LCTX_DISABLE_CPU_KERNEL"):
-    return False, "disabled by LCTX_DISABLE_CPU_KERNEL"
-  try:
-    lib = ctypes.cdll.LoadLibrary(str(_build()))
-  except (RuntimeError, OSError) as e:
-    return False, str(e)
-  jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.LctxCpuAttentionForward), platform="cpu")
-  jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.LctxCpuAttentionBackward), platform="cpu")
-  return True, ""
-
-
-def available() -> bool:
-  """True when the fused kernel is built and registered (compiles on first call)."""
-  return _load()[0]
-
-
-def unavailable_reason() -> str:
-  return _load()[1]
-
-
-def auto_applies(q, k, v) -> bool:
-  """Whether backend "auto" takes this kernel: the CPU backend, inputs it takes,
+def auto_applies(q, k, v, platform: str) -> bool:
+  """Whether backend "auto" takes this kernel: the CPU platform, inputs it takes,
   and the kernel built here."""
-  return jax.default_backend() == "cpu" and not unsupported(q, k, v) and available()
+  return platform == "cpu" and not unsupported(q, k, v) and cpu_build.available()
 
 
 def unsupported(q, k, v) -> str:
@@ -162,7 +72,7 @@ def _fwd_call(q, k, v, mask_arrays, cfg: _Cfg):
   b, t, n, _ = q.shape
   vd = v.shape[-1]
   call = jax.ffi.ffi_call(
-    _FWD,
+    FWD_TARGET,
     (
       jax.ShapeDtypeStruct((b, t, n, vd), jnp.float32),
       jax.ShapeDtypeStruct((b, n, t), jnp.float32),
@@ -171,13 +81,13 @@ def _fwd_call(q, k, v, mask_arrays, cfg: _Cfg):
   )
   out, lse = call(q, k, v, *mask_arrays, **_attrs(cfg, False))
   # Inside shard_map, FFI results carry no device-varying type: give them the inputs'.
-  return tuple(_varying_like(x, q, k, v, *mask_arrays) for x in (out, lse))
+  return tuple(varying_like(x, q, k, v, *mask_arrays) for x in (out, lse))
 
 
 def _bwd_call(q, k, v, dout, lse, delta, mask_arrays, cfg: _Cfg):
   """(dq, dk, dv) f32 given lse and delta = rowsum(dout * out) - dlse, `[B, N, T]`."""
   call = jax.ffi.ffi_call(
-    _BWD,
+    BWD_TARGET,
     (
       jax.ShapeDtypeStruct(q.shape, jnp.float32),
       jax.ShapeDtypeStruct(k.shape, jnp.float32),
@@ -186,7 +96,7 @@ def _bwd_call(q, k, v, dout, lse, delta, mask_arrays, cfg: _Cfg):
     vmap_method="sequential",
   )
   dq, dk, dv = call(q, k, v, dout, lse, delta, *mask_arrays, **_attrs(cfg, True))
-  return tuple(_varying_like(x, q, k, v, dout, lse, delta, *mask_arrays) for x in (dq, dk, dv))
+  return tuple(varying_like(x, q, k, v, dout, lse, delta, *mask_arrays) for x in (dq, dk, dv))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -239,7 +149,7 @@ def _setup(
   why = unsupported(q, k, v)
   if why:
     raise ValueError(f"backend='cpu': {why}")
-  ok, reason = _load()
+  ok, reason = cpu_build.load()
   if not ok:
     raise RuntimeError(f"backend='cpu': the fused CPU kernel is unavailable: {reason}")
   blocks = dict(
@@ -253,10 +163,10 @@ def _setup(
   q_seg = mask.q_segment_ids if mask.q_segment_ids is not None else jnp.ones((b, t), jnp.int32)
   kv_seg = mask.kv_segment_ids if mask.kv_segment_ids is not None else jnp.ones((b, s), jnp.int32)
   mask_arrays = (
-    _pad_len(mask.q_positions, tp, 1),
-    _pad_len(q_seg, tp, 1),
-    _pad_len(mask.kv_positions, sp, 1),
-    _pad_len(kv_seg, sp, 1),
+    pad_axis(mask.q_positions, tp, 1),
+    pad_axis(q_seg, tp, 1),
+    pad_axis(mask.kv_positions, sp, 1),
+    pad_axis(kv_seg, sp, 1),
   )
   cfg = _Cfg(
     bool(causal),
@@ -267,7 +177,7 @@ def _setup(
     _round_block(block_q_bwd or block_q, _Q_MULT, tp),
     _round_block(block_kv_bwd or block_kv, _KV_MULT, sp),
   )
-  return _pad_len(q, tp, 1), _pad_len(k, sp, 1), _pad_len(v, sp, 1), mask_arrays, cfg
+  return pad_axis(q, tp, 1), pad_axis(k, sp, 1), pad_axis(v, sp, 1), mask_arrays, cfg
 
 
 def cpu_fused_attention(
@@ -365,9 +275,9 @@ def cpu_block_backward(
   tp = qp.shape[1]
   dout = dout.astype(jnp.float32)
   delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # [B, N, T]
-  lse = _pad_len(lse.astype(jnp.float32), tp, 2)
+  lse = pad_axis(lse.astype(jnp.float32), tp, 2)
   dq, dk, dv = _bwd_call(
-    qp, kp, vp, _pad_len(dout, tp, 1), lse, _pad_len(delta, tp, 2), mask_arrays, cfg
+    qp, kp, vp, pad_axis(dout, tp, 1), lse, pad_axis(delta, tp, 2), mask_arrays, cfg
   )
   return dq[:, :t], dk[:, :s], dv[:, :s]
 

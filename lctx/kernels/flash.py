@@ -1,235 +1,283 @@
-"""Block-sparse flash attention in pure JAX: online softmax, FA2 backward.
+"""`flash_attention` and the ring block API: the one place a kernel backend is chosen.
 
-Layout (the thing that decides speed on XLA CPU): head-major blocks with the GQA
-group folded into the query rows, so one block step is a K-batched matmul of
-`[G*bq, H] x [H, bk]`. K/V are never repeated across the group.
+Backends (`BACKENDS`):
+- "blockwise": the pure-JAX block-sparse kernel (blockwise.py); any mask, lse.
+- "cpu": the fused C++ kernel on the XLA CPU backend (cpu_fused.py, built by
+  cpu_build.py): the same masks and lse as blockwise, float32, head dims that are
+  multiples of 16.
+- "splash": TPU Pallas splash attention (splash.py); through the Pallas
+  interpreter on CPU.
+- "cudnn", "xla": `jax.nn.dot_product_attention` (jax_nn.py).
+- "reference": the dense plain-jnp reference (reference.py).
+- "auto": by the platform the call compiles for, where the call qualifies:
+  splash on 'tpu', cudnn on 'gpu', cpu on 'cpu' (the kernel also built here),
+  else blockwise.
 
-    q  [B, T, N, H] -> qb [B, nq, K, G*bq, H]     (rows ordered (g, t))
-    k  [B, S, K, H] -> kb [B, nk, K, bk, H]
-    v  [B, S, K, V] -> vb [B, nk, K, bk, V]
+`platform` is the platform of the devices the computation runs on ('tpu',
+'gpu', 'cpu'). Callers that know their mesh pass it (a TPU compile started from
+a CPU host must pick TPU kernels); None means `jax.default_backend()`.
 
-Per example, the forward scans over q blocks and, inside, loops only over the
-live kv blocks of that q block (a compacted index list with a run-time trip
-count; see block_map.py). Full blocks take a branch without the element mask.
-The backward scans over kv blocks and loops over their live q blocks,
-recomputing the probabilities from the saved lse (FlashAttention-2), with dq
-accumulated in an O(T) buffer. Working set per step: O(G*bq*bk).
+An explicitly requested fast backend that cannot take the call raises a
+ValueError naming the rule, never falls back silently. Everything imports on CPU:
+Pallas/TPU modules are imported only when splash runs.
+
+The ring block API (`attention_block_forward` / `attention_block_backward`: one
+visiting K/V block, normalised out + lse, and the FA2 backward against the global
+out/lse) goes through the same choice; backends without a block form
+("reference", "xla", "cudnn") run their blocks on the blockwise kernel.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
-import jax.numpy as jnp
 
-from lctx.kernels.block_map import block_map, block_stats, compact_lists
-from lctx.kernels.masking import MASKED_LSE
+from lctx.kernels import cpu_fused, jax_nn, splash
+from lctx.kernels.blockwise import (
+  blockwise_attention,
+  blockwise_block_backward,
+  blockwise_block_forward,
+)
+from lctx.kernels.masking import check_shapes
+from lctx.kernels.reference import reference_attention
 
-_F32 = jnp.float32
-
-
-class Cfg(NamedTuple):
-  """Static kernel settings (hashable; custom_vjp nondiff argument)."""
-
-  causal: bool
-  window_size: int | None
-  scale: float
-  block_q: int
-  block_kv: int
-  count_blocks: bool = False  # debug: also return how many blocks were computed
-  # Blocks of the backward pass, which holds ~2x the forward's per-step
-  # temporaries (s, p, dp, ds); None: the forward's.
-  bwd_block_q: int | None = None
-  bwd_block_kv: int | None = None
-
-  def for_backward(self) -> Cfg:
-    return self._replace(
-      block_q=self.bwd_block_q or self.block_q, block_kv=self.bwd_block_kv or self.block_kv
-    )
+BACKENDS = ("auto", "blockwise", "cpu", "reference", "splash", "cudnn", "xla")
+PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-class Blocked(NamedTuple):
-  """One example's inputs in block layout (see module docstring)."""
-
-  q_pos: jnp.ndarray  # [nq, bq]
-  q_seg: jnp.ndarray | None  # [nq, bq]
-  kv_pos: jnp.ndarray  # [nk, bk]
-  kv_seg: jnp.ndarray | None  # [nk, bk]
+def _platform(platform: str | None) -> str:
+  p = jax.default_backend() if platform is None else platform
+  if p not in PLATFORMS:
+    raise ValueError(f"platform must be one of {PLATFORMS} or None; got {platform!r}")
+  return p
 
 
-def _vma(x) -> set:
-  """The shard_map mesh axes along which x varies (empty outside shard_map)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older: aval.vma
-  return set(mat.varying if mat is not None else getattr(aval, "vma", ()) or ())
+def choose_backend(
+  q,
+  k,
+  v,
+  *,
+  backend: str = "auto",
+  platform: str | None = None,
+  segment_ids=None,
+  positions_given: bool = False,
+  window_size=None,
+  return_lse: bool = False,
+) -> str:
+  """The backend a call runs on: `backend` itself unless it is "auto"."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+  if backend != "auto":
+    return backend
+  p = _platform(platform)
+  if p == "tpu" and not splash.unsupported(q, k, v, positions_given, return_lse):
+    return "splash"
+  if p == "gpu" and not jax_nn.cudnn_unsupported(
+    q, k, v, segment_ids, positions_given, window_size, return_lse
+  ):
+    return "cudnn"
+  if p == "cpu" and cpu_fused.auto_applies(q, k, v, p):
+    return "cpu"
+  return "blockwise"
 
 
-def _varying_like(x, *refs):
-  """Marks a fresh loop carry (zeros) as varying over the same shard_map mesh axes
-  as the inputs, so lax loops type-check inside shard_map (a no-op outside)."""
-  axes = set()
-  for r in refs:
-    if r is not None:
-      axes |= _vma(r)
-  axes -= _vma(x)
-  return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+def flash_attention(
+  q,
+  k,
+  v,
+  *,
+  segment_ids=None,
+  q_positions=None,
+  kv_positions=None,
+  causal=True,
+  window_size=None,
+  softmax_scale=None,
+  return_lse=False,
+  block_q=512,
+  block_kv=512,
+  backend="auto",
+  positions_in_order=False,
+  block_q_bwd=None,
+  block_kv_bwd=None,
+  platform=None,
+):
+  """Attention without the score matrix, skipping fully masked blocks.
 
-
-def cotangent_like(ct, primal, *refs):
-  """A custom_vjp cotangent typed like its primal inside shard_map: varying over
-  the axes of every input (refs), then summed over the axes along which the
-  primal does not vary (e.g. K/V replicated while q is sharded)."""
-  ct = _varying_like(ct, *refs)
-  extra = tuple(sorted(_vma(ct) - _vma(primal)))
-  return jax.lax.psum(ct, extra) if extra else ct
-
-
-def _elem_mask(cfg: Cfg, qp, qs, kp, ks):
-  """Visibility `[bq, bk]` for one block pair (same rules as masking.dense_mask)."""
-  qp, kp = qp[:, None], kp[None, :]
-  vis = jnp.ones((qp.shape[0], kp.shape[1]), bool)
-  if qs is not None:
-    vis = vis & (qs[:, None] == ks[None, :]) & (qs[:, None] != 0)
-  if cfg.causal:
-    vis = vis & (kp <= qp)
-  if cfg.window_size is not None:
-    vis = vis & (kp > qp - cfg.window_size)
-    if not cfg.causal:
-      vis = vis & (kp < qp + cfg.window_size)
-  return vis
-
-
-def _scores(q_i, k_j):
-  # [K, G*bq, H] x [K, bk, H] -> [K, G*bq, bk] float32
-  return jnp.einsum("kqh,kch->kqc", q_i, k_j, preferred_element_type=_F32)
-
-
-def _apply_mask(s, vis, fill):
-  """s `[K, G*bq, bk]`, vis `[bq, bk]` broadcast over K and G."""
-  kh, rows, bk = s.shape
-  bq = vis.shape[0]
-  s = s.reshape(kh, rows // bq, bq, bk)
-  s = jnp.where(vis[None, None], s, fill)
-  return s.reshape(kh, rows, bk)
-
-
-# ---------------------------------------------------------------------------
-# Forward
-# ---------------------------------------------------------------------------
-
-
-def _forward_example(cfg: Cfg, qb, kb, vb, bl: Blocked):
-  """One example. qb `[nq, K, R, H]` (R = G*bq, already scaled), kb `[nk, K, bk, H]`,
-  vb `[nk, K, bk, V]`. Returns acc-normalised out `[nq, K, R, V]` f32, lse
-  `[nq, K, R]` f32, and block counts `[2]` (computed, masked)."""
-  _, kh, rows, _ = qb.shape
-  vd = vb.shape[-1]
-  live, full = block_map(
-    block_stats(bl.q_pos, bl.q_seg), block_stats(bl.kv_pos, bl.kv_seg), cfg.causal, cfg.window_size
+  Args/returns as `lctx.kernels.reference_attention`: q `[B, T, N, H]`, k
+  `[B, S, K, H]`, v `[B, S, K, V]`; segment_ids `[B, T]` or `(q_ids, kv_ids)`,
+  0 = padding; causality and window on positions (default arange). Returns out
+  `[B, T, N, V]` (and lse `[B, N, T]` f32 if return_lse). Differentiable in
+  q, k, v (and through lse on the blockwise and cpu backends).
+  backend: one of BACKENDS (see module docstring).
+  block_q, block_kv: kernel blocks (blockwise, cpu, splash); block_q_bwd,
+    block_kv_bwd: the backward pass's (None: the same).
+  positions_in_order: the caller promises that positions count up by one along
+    the array inside every segment, starting equal for q and kv (plain or packed
+    rows, not zigzag-reordered, not a visiting ring block). Then the array-order
+    masks of splash/cudnn are exact and those backends may be used although
+    positions were passed. Ignored by blockwise/reference/xla.
+  platform: 'tpu' | 'gpu' | 'cpu' the call compiles for (None: the default
+    backend); decides what "auto" picks.
+  """
+  check_shapes(q, k, v)
+  common = dict(
+    segment_ids=segment_ids,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
+    causal=causal,
+    window_size=window_size,
+    softmax_scale=softmax_scale,
   )
-  kv_order, kv_count = compact_lists(live)
-
-  def q_block(_, xs):
-    q_i, qp, qs, order, count, full_row = xs
-
-    def kv_step(t, carry):
-      m, l, acc, counts = carry
-      j = order[t]
-      k_j, v_j = kb[j], vb[j]
-
-      def update(masked):
-        s = _scores(q_i, k_j)
-        if masked:
-          vis = _elem_mask(cfg, qp, qs, bl.kv_pos[j], None if bl.kv_seg is None else bl.kv_seg[j])
-          s = _apply_mask(s, vis, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        l_new = l * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("kqc,kcv->kqv", p.astype(v_j.dtype), v_j, preferred_element_type=_F32)
-        return m_new, l_new, acc * corr[..., None] + pv
-
-      m, l, acc = jax.lax.cond(full_row[j], lambda: update(False), lambda: update(True))
-      if cfg.count_blocks:
-        counts = counts + jnp.stack([1, jnp.logical_not(full_row[j]).astype(jnp.int32)])
-      return m, l, acc, counts
-
-    # m starts finite so rows that never see a key give exp(-inf - m) = 0, not NaN.
-    init = (
-      jnp.full((kh, rows), MASKED_LSE, _F32),
-      jnp.zeros((kh, rows), _F32),
-      jnp.zeros((kh, rows, vd), _F32),
-      jnp.zeros((2,), jnp.int32),
-    )
-    init = tuple(_varying_like(x, q_i, kb, vb, *bl) for x in init)
-    m, l, acc, counts = jax.lax.fori_loop(0, count, kv_step, init)
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    out = acc / l_safe[..., None]
-    lse = jnp.where(seen, m + jnp.log(l_safe), MASKED_LSE)
-    return None, (out, lse, counts)
-
-  # A None leaf (no segment ids) is an empty pytree: scan passes it through.
-  xs = (qb, bl.q_pos, bl.q_seg, kv_order, kv_count, full)
-  _, (out, lse, counts) = jax.lax.scan(q_block, None, xs)
-  return out, lse, jnp.sum(counts, axis=0)
-
-
-# ---------------------------------------------------------------------------
-# Backward
-# ---------------------------------------------------------------------------
-
-
-def _backward_example(cfg: Cfg, qb, kb, vb, dob, lse, delta, bl: Blocked):
-  """One example. qb `[nq, K, R, H]` (scaled), dob `[nq, K, R, V]`, lse and delta
-  `[nq, K, R]` f32 (delta = rowsum(dout * out) - dlse). Returns dq `[nq, K, R, H]`
-  (w.r.t. the scaled q), dk `[nk, K, bk, H]`, dv `[nk, K, bk, V]`, all f32."""
-  live, full = block_map(
-    block_stats(bl.q_pos, bl.q_seg), block_stats(bl.kv_pos, bl.kv_seg), cfg.causal, cfg.window_size
+  positions_given = not positions_in_order and (q_positions is not None or kv_positions is not None)
+  backend = choose_backend(
+    q,
+    k,
+    v,
+    backend=backend,
+    platform=platform,
+    segment_ids=segment_ids,
+    positions_given=positions_given,
+    window_size=window_size,
+    return_lse=return_lse,
   )
-  q_order, q_count = compact_lists(live.T)
-  full_t = full.T
-
-  def kv_block(dq, xs):
-    k_j, v_j, kp, ks, order, count, full_col = xs
-
-    def q_step(t, carry):
-      dq, dk, dv = carry
-      i = order[t]
-      q_i, do_i, lse_i, delta_i = qb[i], dob[i], lse[i], delta[i]
-
-      def grads(masked):
-        s = _scores(q_i, k_j)
-        if masked:
-          vis = _elem_mask(cfg, bl.q_pos[i], None if bl.q_seg is None else bl.q_seg[i], kp, ks)
-          s = _apply_mask(s, vis, -jnp.inf)
-        p = jnp.exp(s - lse_i[..., None])  # [K, R, bk]
-        # dK and dV are accumulated transposed ([K, H, bk]): XLA CPU ran
-        # "kqh,kqc->khc" 1.5-4x faster than "kqc,kqh->kch" here. (Forming
-        # the scores transposed instead measured no faster overall.)
-        dv_ij = jnp.einsum("kqv,kqc->kvc", do_i, p.astype(do_i.dtype), preferred_element_type=_F32)
-        dp = jnp.einsum("kqv,kcv->kqc", do_i, v_j, preferred_element_type=_F32)
-        ds = (p * (dp - delta_i[..., None])).astype(q_i.dtype)
-        dq_i = jnp.einsum("kqc,kch->kqh", ds, k_j, preferred_element_type=_F32)
-        dk_ij = jnp.einsum("kqh,kqc->khc", q_i, ds, preferred_element_type=_F32)
-        return dq_i, dk_ij, dv_ij
-
-      dq_i, dk_ij, dv_ij = jax.lax.cond(full_col[i], lambda: grads(False), lambda: grads(True))
-      dq = jax.lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)
-      return dq, dk + dk_ij, dv + dv_ij
-
-    init = (
-      dq,
-      jnp.zeros(k_j.shape, _F32).swapaxes(1, 2),
-      jnp.zeros(v_j.shape, _F32).swapaxes(1, 2),
-    )
-    init = (dq,) + tuple(_varying_like(x, qb, kb, vb, dob, lse, delta, *bl) for x in init[1:])
-    dq, dk_t, dv_t = jax.lax.fori_loop(0, count, q_step, init)
-    return dq, (dk_t.swapaxes(1, 2), dv_t.swapaxes(1, 2))
-
-  dq0 = _varying_like(jnp.zeros(qb.shape, _F32), qb, kb, vb, dob, lse, delta, *bl)
-  dq, (dk, dv) = jax.lax.scan(
-    kv_block, dq0, (kb, vb, bl.kv_pos, bl.kv_seg, q_order, q_count, full_t)
+  blocks = dict(
+    block_q=block_q, block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd
   )
-  return dq, dk, dv
+  if backend == "blockwise":
+    return blockwise_attention(q, k, v, return_lse=return_lse, **blocks, **common)
+  if backend == "cpu":
+    return cpu_fused.cpu_fused_attention(q, k, v, return_lse=return_lse, **blocks, **common)
+  if backend == "reference":
+    return reference_attention(q, k, v, return_lse=return_lse, **common)
+  if backend == "xla":
+    if return_lse:
+      raise ValueError("backend='xla' cannot return lse; use 'blockwise' or 'reference'")
+    return jax_nn.xla_attention(q, k, v, **common)
+  if backend == "splash":
+    why = splash.unsupported(q, k, v, positions_given, return_lse)
+    if why:
+      raise ValueError(f"backend='splash': {why}")
+    return splash.splash_attention(
+      q,
+      k,
+      v,
+      segment_ids=segment_ids,
+      causal=causal,
+      window_size=window_size,
+      softmax_scale=softmax_scale,
+      interpret=_platform(platform) != "tpu",
+      **blocks,
+    )
+  why = jax_nn.cudnn_unsupported(q, k, v, segment_ids, positions_given, window_size, return_lse)
+  if why:
+    raise ValueError(f"backend='cudnn': {why}")
+  return jax_nn.cudnn_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def _block_backend(q, k, v, backend: str, platform: str | None) -> str:
+  """The kernel of one ring block step: the fused CPU kernel where flash_attention
+  would take it, else blockwise."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+  if backend == "cpu" or (
+    backend == "auto" and cpu_fused.auto_applies(q, k, v, _platform(platform))
+  ):
+    return "cpu"
+  return "blockwise"
+
+
+def attention_block_forward(
+  q,
+  k,
+  v,
+  *,
+  q_segment_ids,
+  kv_segment_ids,
+  q_positions,
+  kv_positions,
+  causal,
+  window_size,
+  softmax_scale,
+  block_q,
+  block_kv,
+  backend="auto",
+  platform=None,
+):
+  """Attention of q against one (e.g. visiting ring) K/V block, for merging.
+
+  q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, V]`; segment ids may both be None.
+  Returns out `[B, T, N, V]` float32, normalised within this block, and lse
+  `[B, N, T]` float32 (MASKED_LSE where a row sees no key of this block; its out
+  is 0). Merge two partials with lse = logaddexp(lse_a, lse_b),
+  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse). Not differentiable
+  by itself: use attention_block_backward in the caller's custom_vjp.
+  """
+  fn = (
+    cpu_fused.cpu_block_forward
+    if _block_backend(q, k, v, backend, platform) == "cpu"
+    else blockwise_block_forward
+  )
+  return fn(
+    q,
+    k,
+    v,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
+    causal=causal,
+    window_size=window_size,
+    softmax_scale=softmax_scale,
+    block_q=block_q,
+    block_kv=block_kv,
+  )
+
+
+def attention_block_backward(
+  q,
+  k,
+  v,
+  out,
+  lse,
+  dout,
+  *,
+  q_segment_ids,
+  kv_segment_ids,
+  q_positions,
+  kv_positions,
+  causal,
+  window_size,
+  softmax_scale,
+  block_q,
+  block_kv,
+  backend="auto",
+  platform=None,
+):
+  """FA2 backward of one K/V block against the GLOBAL (merged) out and lse.
+
+  out `[B, T, N, V]` and lse `[B, N, T]` are the final merged results over all
+  K/V blocks, dout `[B, T, N, V]` its cotangent. Returns (dq `[B, T, N, H]`,
+  dk `[B, S, K, H]`, dv `[B, S, K, V]`), float32, this block's contributions
+  (sum dq over blocks; dk/dv belong to this block).
+  """
+  fn = (
+    cpu_fused.cpu_block_backward
+    if _block_backend(q, k, v, backend, platform) == "cpu"
+    else blockwise_block_backward
+  )
+  return fn(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
+    causal=causal,
+    window_size=window_size,
+    softmax_scale=softmax_scale,
+    block_q=block_q,
+    block_kv=block_kv,
+  )

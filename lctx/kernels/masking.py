@@ -106,24 +106,49 @@ def normalize_mask_args(
   return MaskArgs(q_seg, kv_seg, q_pos, kv_pos)
 
 
-def dense_mask(mask: MaskArgs, causal: bool, window_size) -> jnp.ndarray:
-  """Boolean visibility `[B, T, S]` (True = query may attend to key)."""
-  qp = mask.q_positions[:, :, None]
-  kp = mask.kv_positions[:, None, :]
-  vis = jnp.ones(qp.shape[:2] + kp.shape[2:], dtype=bool)
-  if mask.q_segment_ids is not None:
-    qs = mask.q_segment_ids[:, :, None]
-    ks = mask.kv_segment_ids[:, None, :]
-    vis = vis & (qs == ks) & (qs != 0)
+def visible(q_pos, q_seg, kv_pos, kv_seg, causal: bool, window_size):
+  """THE mask rule, elementwise with broadcasting: may a query attend to a key?
+
+  A query at position p in segment s sees keys of segment s (s != 0; 0 is
+  padding) at positions <= p when causal, and within window_size of p (keys at
+  positions > p - w; also < p + w when not causal). Segment ids may be None (one
+  segment, no padding). Every kernel and reference applies this function.
+  """
+  vis = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(kv_pos)), dtype=bool)
+  if q_seg is not None:
+    vis = vis & (q_seg == kv_seg) & (q_seg != 0)
   if causal:
-    vis = vis & (kp <= qp)
+    vis = vis & (kv_pos <= q_pos)
   if window_size is not None:
     w = int(window_size)
-    vis = vis & (kp > qp - w)
+    vis = vis & (kv_pos > q_pos - w)
     if not causal:
-      vis = vis & (kp < qp + w)
+      vis = vis & (kv_pos < q_pos + w)
   return vis
+
+
+def dense_mask(mask: MaskArgs, causal: bool, window_size) -> jnp.ndarray:
+  """Boolean visibility `[B, T, S]` (True = query may attend to key)."""
+  seg = mask.q_segment_ids is not None
+  return visible(
+    mask.q_positions[:, :, None],
+    mask.q_segment_ids[:, :, None] if seg else None,
+    mask.kv_positions[:, None, :],
+    mask.kv_segment_ids[:, None, :] if seg else None,
+    causal,
+    window_size,
+  )
 
 
 def default_scale(head_dim: int, softmax_scale) -> float:
   return float(head_dim) ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def pad_axis(x, target: int, axis: int, value=0):
+  """x padded with `value` at the end of `axis` up to length `target`."""
+  pad = target - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)

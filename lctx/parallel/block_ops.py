@@ -4,9 +4,8 @@
   and ulysses use it.
 - `block_forward` / `block_backward`: one (q block, kv block) step of the ring,
   returning (normalised out, lse) and FA2 gradients against a given global out/lse
-  (`lctx.kernels.attention_block_forward` / `attention_block_backward`, or the fused
-  CPU kernel's `cpu_block_forward` / `cpu_block_backward` where flash_attention
-  would pick it: backend "cpu", or "auto" on CPU for float32).
+  (`lctx.kernels.attention_block_forward` / `attention_block_backward`, which pick
+  the kernel the same way flash_attention does).
 - `maybe_visible`: conservative run-time test that a block pair has any visible
   (query, key) pair, used to skip fully masked ring steps.
 
@@ -36,6 +35,7 @@ class AttnConfig:
   block_q: int = 512
   block_kv: int = 512
   backend: str = "auto"
+  platform: str | None = None  # of the mesh devices: what "auto" picks for (None: default)
   block_q_bwd: int | None = None  # backward blocks of `attend` (None: the same)
   block_kv_bwd: int | None = None
   # Each ring hop can be split into sub_chunks x sub_chunks (q, kv) pairs that are
@@ -85,25 +85,13 @@ def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
     backend=cfg.backend,
     block_q_bwd=cfg.block_q_bwd,
     block_kv_bwd=cfg.block_kv_bwd,
+    platform=cfg.platform,
   )
-
-
-def _fused_cpu(q, k, v, cfg: AttnConfig) -> bool:
-  """Whether ring block steps run on the fused CPU kernel (the rule of
-  flash_attention's backend choice; other backends keep the blockwise kernel)."""
-  if cfg.backend == "cpu":
-    return True
-  return cfg.backend == "auto" and kernels.cpu_fused.auto_applies(q, k, v)
 
 
 def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
   """One block step: (out `[B, T, N, V]` f32 normalised within the block, lse `[B, N, T]`)."""
-  fn = (
-    kernels.cpu_fused.cpu_block_forward
-    if _fused_cpu(q, k, v, cfg)
-    else kernels.attention_block_forward
-  )
-  out, lse = fn(
+  out, lse = kernels.attention_block_forward(
     q,
     k,
     v,
@@ -116,18 +104,15 @@ def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
     softmax_scale=cfg.softmax_scale,
     block_q=cfg.block_q,
     block_kv=cfg.block_kv,
+    backend=cfg.backend,
+    platform=cfg.platform,
   )
   return out.astype(jnp.float32), lse.astype(jnp.float32)
 
 
 def block_backward(q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
   """FA2 backward of one block against the GLOBAL out/lse; (dq, dk, dv) in float32."""
-  fn = (
-    kernels.cpu_fused.cpu_block_backward
-    if _fused_cpu(q, k, v, cfg)
-    else kernels.attention_block_backward
-  )
-  dq, dk, dv = fn(
+  dq, dk, dv = kernels.attention_block_backward(
     q,
     k,
     v,
@@ -143,6 +128,8 @@ def block_backward(q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos, cfg
     softmax_scale=cfg.softmax_scale,
     block_q=cfg.block_q,
     block_kv=cfg.block_kv,
+    backend=cfg.backend,
+    platform=cfg.platform,
   )
   return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 

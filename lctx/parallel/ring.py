@@ -24,23 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from lctx.kernels.masking import MASKED_LSE
+from lctx.kernels.shard_typing import varying_like
 from lctx.parallel import block_ops
 from lctx.parallel.block_ops import AttnConfig
-
-
-def _varying(x, *refs):
-  """pcast x to vary over every manual axis any ref varies over (scan carries)."""
-
-  def vma(a):
-    t = jax.typeof(a)
-    v = getattr(t, "vma", None)
-    if v is None:
-      mat = getattr(t, "manual_axis_type", None)
-      v = mat.varying if mat is not None else frozenset()
-    return frozenset(v)
-
-  missing = tuple(sorted(frozenset().union(*(vma(r) for r in refs)) - vma(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _n_chunks(cfg: AttnConfig, length: int) -> int:
@@ -95,7 +81,7 @@ def _ring_forward(cfg, axis, size, q, k, v, seg, pos):
   c = _n_chunks(cfg, t)
   o0 = jnp.zeros((b, t, n, v.shape[-1]), jnp.float32)
   l0 = jnp.full((b, n, t), MASKED_LSE, jnp.float32)
-  acc = (_varying(o0, q, k, v), _varying(l0, q, k, v))
+  acc = (varying_like(o0, q, k, v), varying_like(l0, q, k, v))
   perm = [(i, (i + 1) % size) for i in range(size)]
 
   def step(carry, _):
@@ -152,10 +138,10 @@ def _ring_bwd(cfg, axis, size, res, dout):
   q, k, v, seg, pos, out, lse = res
   c = _n_chunks(cfg, q.shape[1])
   res = (q, seg, pos, out, lse, dout)
-  dq = _varying(jnp.zeros(q.shape, jnp.float32), q, k, v, dout)
+  dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v, dout)
   dkv = (
-    _varying(jnp.zeros(k.shape, jnp.float32), q, k, v, dout),
-    _varying(jnp.zeros(v.shape, jnp.float32), q, k, v, dout),
+    varying_like(jnp.zeros(k.shape, jnp.float32), q, k, v, dout),
+    varying_like(jnp.zeros(v.shape, jnp.float32), q, k, v, dout),
   )
   perm = [(i, (i + 1) % size) for i in range(size)]
 

@@ -4,6 +4,7 @@ python main.py --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx
 python main.py --gin_file=gin/usp_ironwood.gin --gin_param="TrainConfig.steps=10"
 python main.py --mode=inspect_data --gin_file=gin/local_cpu.gin
 python main.py --mode=compile --gin_file=gin/ring_v5p.gin --compile_topology=v5p:4x4x4
+python main.py --mode=plan --gin_file=gin/ring_v5p.gin --plan_hardware=v5p-64
 """
 
 import os
@@ -18,7 +19,21 @@ flags.DEFINE_multi_string(
 )
 flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics).")
 flags.DEFINE_enum(
-  "mode", "train", ["train", "eval", "train_and_eval", "inspect_data", "compile"], "What to run."
+  "mode",
+  "train",
+  ["train", "eval", "train_and_eval", "inspect_data", "compile", "plan"],
+  "What to run.",
+)
+flags.DEFINE_string(
+  "plan_hardware",
+  None,
+  "--mode=plan: the hardware to plan for: '<tpu>-<chips>' (v5p-64, tpu7x-64), "
+  "'<gpu>x<count>' (h100x8) or a topology (v5p:4x4x4); see lctx/hardware.py.",
+)
+flags.DEFINE_bool(
+  "plan_then_compile",
+  False,
+  "--mode=plan: also compile the smallest fitting setup for the TPU slice (as --mode=compile).",
 )
 flags.DEFINE_string(
   "compile_topology",
@@ -68,7 +83,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
-  if FLAGS.mode == "compile":
+  if FLAGS.mode == "compile" or FLAGS.plan_then_compile:
     # libtpu compiles for TPU devices it only describes; other processes may
     # hold it too, and there is no TPU metadata server to ask.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -107,6 +122,16 @@ def main(argv):
       compile_topology_num_slices=FLAGS.compile_topology_num_slices,
     )
     return 0 if record["fits"] else 1
+  if FLAGS.mode == "plan":
+    record = train.run(
+      "plan",
+      workdir,
+      experiment,
+      plan_hardware=FLAGS.plan_hardware,
+      plan_then_compile=FLAGS.plan_then_compile,
+      plan_gin_files=tuple(FLAGS.gin_file),
+    )
+    return 0 if record["configured"]["fits"] else 1
   train.run(FLAGS.mode, workdir, experiment)
 
 

@@ -7,7 +7,9 @@
   train_and_eval  train, then evaluate;
   inspect_data    print packing statistics of the training stream;
   compile         compile the train step for a TPU slice from any machine and
-                  report its memory (lctx/compile.py; returns the record).
+                  report its memory (lctx/compile.py; returns the record);
+  plan            estimate per-device memory on named hardware and search for
+                  the smallest setup that fits (lctx/planner.py; no devices).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from lctx import models
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
-MODES = ("train", "eval", "train_and_eval", "inspect_data", "compile")
+MODES = ("train", "eval", "train_and_eval", "inspect_data", "compile", "plan")
 
 
 def _register_task_sources():
@@ -228,9 +230,12 @@ def run(
   *,
   compile_topology: str | None = None,
   compile_topology_num_slices: int = 1,
+  plan_hardware: str | None = None,
+  plan_then_compile: bool = False,
+  plan_gin_files: tuple[str, ...] = (),
 ):
   """Runs one experiment in `workdir` (created if missing); `compile` returns
-  its compile.json record."""
+  its compile.json record, `plan` its plan.json record."""
   if mode not in MODES:
     raise ValueError(f"--mode={mode!r} is not one of {MODES}.")
   os.makedirs(workdir, exist_ok=True)
@@ -239,6 +244,16 @@ def run(
 
     return compile_lib.run_compile(
       exp, workdir, topology=compile_topology, num_slices=compile_topology_num_slices
+    )
+  if mode == "plan":
+    from lctx import planner  # pylint: disable=g-import-not-at-top
+
+    return planner.run_plan(
+      exp,
+      workdir,
+      hardware=plan_hardware,
+      plan_then_compile=plan_then_compile,
+      gin_files=plan_gin_files,
     )
   mesh = mesh_lib.make_mesh(exp.mesh)
   logging.info(

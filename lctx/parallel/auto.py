@@ -2,15 +2,17 @@
 
 REFERENCE.md section 2: all_gather while the gathered K/V fit; ulysses while the
 heads divide (not for MLA, not MQA); usp when the mesh has a ulysses axis; ring
-otherwise. The memory model is a per-device, per-layer estimate of attention
-K/V + q/out buffers (forward and backward), plus an optional caller-given
-activation cost per local token; the planner can refine it later.
+otherwise. Memory comes from the planner's model (lctx/parallel/memory_model.py):
+the strategy's attention buffers while one layer runs backward, plus an optional
+caller-given activation cost per local token. `--mode=plan` uses the same model
+for the whole step.
 """
 
 from __future__ import annotations
 
 import logging
 
+from lctx.parallel import memory_model
 from lctx.parallel.validation import context_degrees, validate_context_parallel
 
 log = logging.getLogger(__name__)
@@ -31,36 +33,38 @@ def estimate_attention_bytes(
   batch_per_device: int = 1,
   bytes_per_element: int = 2,
   activation_bytes_per_token: int = 0,
+  block_q: int = 512,
+  block_kv: int = 512,
 ) -> int:
-  """Per-device bytes of one attention layer's K/V, q/out and gradient buffers.
-
-  Float32 (4 bytes) for gradient accumulators and ring output accumulators.
-  """
-  vd = head_dim if v_head_dim is None else v_head_dim
+  """Per-device bytes of one attention layer's buffers (memory_model's
+  attention_buffer_bytes), plus activation_bytes_per_token per local token."""
   c, u = context_degrees(mesh_shape)
-  tp = int(mesh_shape.get("tensor", 1))
-  n = num_q_heads // tp
-  k = num_kv_heads // tp if num_kv_heads % tp == 0 else 1
-  t_local = seq_len // (c * u)
-  e = bytes_per_element
-  qo = lambda tokens, heads: tokens * heads * (head_dim + vd) * e  # noqa: E731
-  if strategy == "all_gather":
-    # Whole-sequence K/V, plus the same in f32 for dK/dV before reduce-scatter.
-    per = qo(t_local, n) + seq_len * k * (head_dim + vd) * (e + 4)
-  elif strategy == "ulysses":
-    per = qo(seq_len, n // c) + seq_len * (k // c) * (head_dim + vd) * (e + 4)
-  elif strategy in ("ring", "usp"):
-    a2a = u if strategy == "usp" else 1
-    chunk = seq_len // c  # the ring block: one ring group's tokens
-    # Current + in-flight K/V blocks, travelling f32 dK/dV (x2), f32 out acc.
-    per = (
-      qo(chunk, n // a2a)
-      + chunk * (k // a2a) * (head_dim + vd) * (2 * e + 8)
-      + chunk * (n // a2a) * vd * 4
-    )
-  else:
+  dims = memory_model.ModelDims(
+    vocab_size=0,
+    d_model=0,
+    num_layers=0,
+    num_heads=num_q_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    v_head_dim=head_dim if v_head_dim is None else v_head_dim,
+    mlp_dim=0,
+    layer_params=0,
+    embedding_params=0,
+  )
+  setup = memory_model.Setup(
+    strategy=strategy,
+    mesh=dict(mesh_shape),
+    batch_size=batch_per_device,
+    seq_len=seq_len,
+    dtype_bytes=bytes_per_element,
+    block_q=block_q,
+    block_kv=block_kv,
+  )
+  if strategy not in memory_model.STRATEGIES:
     raise ValueError(f"[unknown-strategy] {strategy!r}")
-  return int(batch_per_device * (per + t_local * activation_bytes_per_token))
+  attention = memory_model.attention_buffer_bytes(dims, setup, rows=batch_per_device)
+  t_local = seq_len // (c * u)
+  return int(attention + batch_per_device * t_local * activation_bytes_per_token)
 
 
 def choose_strategy(

@@ -11,9 +11,12 @@ dataclasses and the experiment bindable from gin files, e.g.
 from __future__ import annotations
 
 import gin
+
 from lctx import data as data_lib
+from lctx import evals as evals_lib
 from lctx import models
 from lctx import train as train_lib
+from lctx.evals import mixture
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig
 
@@ -23,14 +26,10 @@ DataConfig = gin.external_configurable(data_lib.DataConfig, "DataConfig")
 TrainConfigG = gin.external_configurable(TrainConfig, "TrainConfig")
 
 
-def _register_evals():
-  from lctx import evals  # pylint: disable=g-import-not-at-top
-
-  if hasattr(evals, "EvalConfig"):
-    gin.external_configurable(evals.EvalConfig, "EvalConfig")
-
-
-_register_evals()
+EvalConfig = gin.external_configurable(evals_lib.EvalConfig, "EvalConfig")
+# The retrieval tasks join the data mixture as `retrieval_<task>` sources, so gin
+# files can name them in DataConfig.sources.
+mixture.register_retrieval_sources()
 
 
 @gin.configurable("experiment")

@@ -33,16 +33,6 @@ from lctx.trainer import TrainConfig, Trainer
 MODES = ("train", "eval", "train_and_eval", "inspect_data", "compile", "plan")
 
 
-def _register_task_sources():
-  # The retrieval tasks join the data mixture as `retrieval_<task>` sources.
-  from lctx.evals import mixture  # pylint: disable=g-import-not-at-top
-
-  mixture.register_retrieval_sources()
-
-
-_register_task_sources()
-
-
 @dataclasses.dataclass(frozen=True)
 class Experiment:
   """Everything one run needs; bound by gin in lctx/configs.py."""
@@ -59,14 +49,13 @@ class Experiment:
 # ----------------------------------------------------------------------------
 def make_data_iterator(exp: Experiment, trainer: Trainer | None, split: str, seed: int):
   """Per-host iterator of the batch contract, reordered when load balancing."""
+  # Rows go to the devices in the order the context plan holds them (zigzag
+  # when load balancing), reordered once here on the host.
   transform = None
-  if trainer is not None and trainer.load_balance:
-    from lctx import parallel  # pylint: disable=g-import-not-at-top
-
-    ring = mesh_lib.mesh_shape(trainer.mesh)["context"]
+  if trainer is not None and trainer.plan.load_balance:
 
     def transform(batch):
-      return {k: parallel.zigzag_reorder(np.asarray(v), ring) for k, v in batch.items()}
+      return trainer.plan.to_device_order({k: np.asarray(v) for k, v in batch.items()})
 
   per_host = exp.train.batch_size // jax.process_count()
   return data_lib.make_iterator(
@@ -126,6 +115,49 @@ def evaluate_retrieval(
 # ----------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------
+class NonFiniteStepsError(RuntimeError):
+  """Too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+class _SkippedSteps:
+  """Counts the steps the trainer skipped as non-finite; raises after `limit` in a row.
+
+  A step's flag is read once the next step is queued (no wait on the device),
+  or at once where the loop syncs anyway (`resolve(everything=True)`).
+  """
+
+  def __init__(self, limit: int, checkpointer: ckpt_lib.Checkpointer):
+    if limit < 1:
+      raise ValueError(f"TrainConfig.max_skipped_steps must be >= 1; got {limit}.")
+    self.limit, self.checkpointer = limit, checkpointer
+    self.total, self.in_row, self._pending = 0, 0, []
+
+  def add(self, step: int, flag) -> None:
+    self._pending.append((step, flag))
+
+  def resolve(self, everything: bool = False) -> None:
+    while len(self._pending) > (0 if everything else 1):
+      step, flag = self._pending.pop(0)
+      if not int(jax.device_get(flag)):
+        self.in_row = 0
+        continue
+      self.total += 1
+      self.in_row += 1
+      logging.warning(
+        "step %d: non-finite loss or gradient norm; the update was skipped (%d in a row).",
+        step,
+        self.in_row,
+      )
+      if self.in_row >= self.limit:
+        self.checkpointer.wait()
+        raise NonFiniteStepsError(
+          f"{self.in_row} consecutive steps ({step - self.in_row + 1}..{step}) had a "
+          f"non-finite loss or gradient norm (TrainConfig.max_skipped_steps={self.limit}); "
+          f"stopping. The last checkpoint, step {self.checkpointer.latest_step()} in "
+          f"{self.checkpointer.directory}, was written before them and is intact."
+        )
+
+
 def train_loop(
   exp: Experiment,
   trainer: Trainer,
@@ -134,9 +166,13 @@ def train_loop(
   checkpointer: ckpt_lib.Checkpointer,
   writer,
   workdir: str,
+  preemption: ckpt_lib.PreemptionWatch | None = None,
+  profiler: metrics_lib.Profiler | None = None,
 ):
-  """Trains to `steps`; returns (state, whether the last step evaluated)."""
+  """Trains to `steps`, or until a preemption notice (then checkpoints and
+  returns early); returns (state, whether the last step evaluated)."""
   cfg = exp.train
+  skipped = _SkippedSteps(cfg.max_skipped_steps, checkpointer)
   peak, peak_source = metrics_lib.peak_flops_per_device()
   logging.info("Peak FLOP/s per device: %.3g (%s)", peak, peak_source)
   t_compile = time.perf_counter()
@@ -164,12 +200,22 @@ def train_loop(
     host_batch = next(train_iter)
     # Useful tokens: non-pad positions, counted on the host (no device sync).
     window_tokens += float(np.count_nonzero(host_batch["segment_ids"])) * (jax.process_count())
+    if profiler is not None:
+      profiler.before_step(step)
     state, metrics = trainer.train_step(state, trainer.device_batch(host_batch))
     step += 1
     window_steps += 1
     last = step == cfg.steps
-    if step % cfg.log_every == 0 or last:
+    skipped.add(step, metrics["skipped"])
+    # Every process gets the same answer at the same step.
+    preempted = preemption is not None and preemption.reached(step)
+    saving = checkpointer.should_save(step, final=last) or preempted
+    skipped.resolve(everything=saving or last or preempted)
+    if profiler is not None:
+      profiler.after_step(step, state)
+    if step % cfg.log_every == 0 or last or preempted:
       metrics = jax.device_get(metrics)
+      skipped.resolve(everything=True)
       elapsed = time.perf_counter() - t_window
       tps = window_tokens / elapsed
       tflops = flops_per_token * tps / n_devices / 1e12
@@ -181,6 +227,7 @@ def train_loop(
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / peak if peak else 0.0,
         "step_time_s": elapsed / window_steps,
+        "skipped_steps": skipped.total,
       }
       record.update({f"memory/{k}": v for k, v in memory.items()})
       record.update({f"memory/{k}": v for k, v in metrics_lib.live_memory().items()})
@@ -198,6 +245,16 @@ def train_loop(
         100 * record["mfu"],
       )
       window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
+    if preempted:
+      checkpointer.save(step, state, train_iter.get_state(), _meta(exp), wait=True)
+      logging.warning(
+        "Preempted: stopped at step %d of %d with a checkpoint in %s; run again to resume.",
+        step,
+        cfg.steps,
+        checkpointer.directory,
+      )
+      preemption.stopped_at = step
+      return state, False
     # Held-out loss every eval_every steps and at the end; retrieval evals
     # every retrieval_eval_every steps and at the end, when configured.
     if cfg.eval_every and (step % cfg.eval_every == 0 or last):
@@ -280,9 +337,9 @@ def run(
     async_save=exp.train.async_checkpoint,
   )
   train_iter = make_data_iterator(exp, trainer, "train", seed=exp.train.seed)
-  latest = checkpointer.latest_step()
-  if latest is not None:
-    state, data_state = checkpointer.restore(latest, trainer.abstract_state, _meta(exp))
+  restored = checkpointer.restore_latest(trainer.abstract_state, _meta(exp))
+  if restored is not None:
+    latest, state, data_state = restored
     if data_state:
       train_iter.set_state(data_state)
     logging.info("Resumed from step %d in %s.", latest, checkpointer.directory)
@@ -295,10 +352,16 @@ def run(
     state = trainer.init_state(exp.train.seed)
 
   writer = metrics_lib.MetricWriter(workdir)
+  preemption = ckpt_lib.PreemptionWatch()
+  profiler = metrics_lib.Profiler(exp.train.profile_steps, os.path.join(workdir, "profile"))
   try:
     evaluated = False
     if mode in ("train", "train_and_eval"):
-      state, evaluated = train_loop(exp, trainer, state, train_iter, checkpointer, writer, workdir)
+      state, evaluated = train_loop(
+        exp, trainer, state, train_iter, checkpointer, writer, workdir, preemption, profiler
+      )
+    if preemption.stopped_at is not None:
+      return
     if mode == "eval" or (mode == "train_and_eval" and not evaluated):
       step = int(jax.device_get(state["step"]))
       results = evaluate_loss(exp, trainer, state)
@@ -306,5 +369,7 @@ def run(
       results.update(evaluate_retrieval(exp, trainer, state, workdir, step))
       writer.write(step, results)
   finally:
+    profiler.stop()
+    preemption.close()
     checkpointer.close()
     writer.close()

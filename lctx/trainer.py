@@ -15,12 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging
 
-from lctx import host, models
-from lctx.kernels import chunked_cross_entropy, cpu_fused
+from lctx import host, models, parallel
+from lctx.kernels import chunked_cross_entropy
 from lctx.parallel import mesh as mesh_lib
-from lctx.parallel.local import local_attention_fn
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -65,6 +63,12 @@ class TrainConfig:
     attention_block_q_bwd, attention_block_kv_bwd: the backward pass's (None:
       the same); it holds about twice the forward's temporaries per block.
     device_memory_gib: per-device memory budget used by strategy 'auto'.
+    max_skipped_steps: a step whose loss or gradient norm is not finite leaves
+      the parameters and optimizer state unchanged and is counted
+      (`skipped_steps` in metrics.jsonl); this many such steps in a row stop
+      the run with an error (the last checkpoint is kept as it is).
+    profile_steps: (start, stop): a jax.profiler trace of steps start+1 ..
+      stop under <workdir>/profile (TensorBoard's profile tab); None: no trace.
     cpu_keep_freed_memory: on the CPU backend, make glibc malloc reuse freed
       memory rather than unmap it and page-fault it in again every step
       (lctx/host.py). The process keeps its peak footprint.
@@ -103,8 +107,54 @@ class TrainConfig:
   attention_block_q_bwd: int | None = None
   attention_block_kv_bwd: int | None = None
   device_memory_gib: float = 16.0
+  max_skipped_steps: int = 5
+  profile_steps: tuple[int, int] | None = None
   cpu_keep_freed_memory: bool = True
   cpu_vector_width: int | None = 512
+
+  def __post_init__(self):
+    validate_train_config(self)
+
+
+def validate_train_config(c: TrainConfig) -> None:
+  """Raises one ValueError naming the field and the value."""
+  for name in ("batch_size", "seq_len", "steps", "log_every", "eval_batches", "keep_checkpoints"):
+    value = getattr(c, name)
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
+  for name in ("warmup_steps", "eval_every", "retrieval_eval_every", "checkpoint_every"):
+    value = getattr(c, name)
+    if not isinstance(value, int) or value < 0:
+      raise ValueError(f"TrainConfig.{name} must be an int >= 0; got {value!r}.")
+  if not c.learning_rate > 0:
+    raise ValueError(f"TrainConfig.learning_rate must be > 0; got {c.learning_rate!r}.")
+  strategies = ("auto", *parallel.PLAN_STRATEGIES)
+  if c.context_parallel_strategy not in strategies:
+    raise ValueError(
+      f"TrainConfig.context_parallel_strategy must be one of {strategies}; "
+      f"got {c.context_parallel_strategy!r}."
+    )
+  if c.loss_chunk_size is not None and (
+    not isinstance(c.loss_chunk_size, int) or c.loss_chunk_size < 1
+  ):
+    raise ValueError(
+      f"TrainConfig.loss_chunk_size must be None or >= 1; got {c.loss_chunk_size!r}."
+    )
+  if c.cpu_vector_width not in (None, 128, 256, 512):
+    raise ValueError(
+      f"TrainConfig.cpu_vector_width must be None, 128, 256 or 512 (bits); got {c.cpu_vector_width!r}."
+    )
+  # Kernel backend and block sizes: one rule, in KernelOptions.
+  try:
+    parallel.KernelOptions(
+      backend=c.attention_backend,
+      block_q=c.attention_block_q,
+      block_kv=c.attention_block_kv,
+      block_q_bwd=c.attention_block_q_bwd,
+      block_kv_bwd=c.attention_block_kv_bwd,
+    )
+  except ValueError as err:
+    raise ValueError(f"TrainConfig.{err}.") from None
 
 
 # ----------------------------------------------------------------------------
@@ -140,82 +190,36 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
   return optax.chain(*parts), schedule
 
 
-def make_attention_fn(
-  cfg: TrainConfig, mesh, model_cfg: models.ModelConfig
-) -> tuple[Callable, str, bool]:
-  """Chooses and builds the attention plug-in: (fn, strategy, load_balance)."""
-  from lctx import parallel  # pylint: disable=g-import-not-at-top
-
-  shape = mesh_lib.mesh_shape(mesh)
-  strategy = cfg.context_parallel_strategy
-  mla = model_cfg.attention == "mla"
-  num_kv_heads = model_cfg.num_heads if mla else model_cfg.num_kv_heads
-  if strategy == "auto" and shape["context"] * shape["context_ulysses"] == 1:
-    strategy = "none"
-    logging.info("context_parallel_strategy=auto: context degree 1, so no context parallelism.")
-  if strategy == "auto":
-    batch_ways, _ = mesh_lib.batch_shard_counts(mesh)
-    act_bytes = 2 if model_cfg.dtype == "bfloat16" else 4
-    strategy, reason = parallel.choose_strategy(
-      mesh_shape=shape,
-      num_q_heads=model_cfg.num_heads,
-      num_kv_heads=num_kv_heads,
-      seq_len=cfg.seq_len,
-      head_dim=(
-        model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim if mla else model_cfg.head_dim
-      ),
-      v_head_dim=model_cfg.v_head_dim if mla else None,
-      batch_per_device=max(1, cfg.batch_size // batch_ways),
-      bytes_per_element=act_bytes,
-      memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
-      # Residual stream + MLP hidden per token, saved across one layer.
-      activation_bytes_per_token=act_bytes * (2 * model_cfg.d_model + model_cfg.mlp_dim),
-      load_balance=cfg.load_balance,
-    )
-    logging.info("context_parallel_strategy=auto chose %r: %s", strategy, reason)
-  load_balance = cfg.load_balance
-  if load_balance is None:
-    load_balance = strategy in ("ring", "usp")
-  if strategy != "none":
-    parallel.validate_context_parallel(
-      strategy=strategy,
-      mesh_shape=shape,
-      num_q_heads=model_cfg.num_heads,
-      num_kv_heads=num_kv_heads,
-      seq_len=cfg.seq_len,
-      load_balance=load_balance,
-    )
-  elif shape["context"] * shape["context_ulysses"] > 1:
-    raise ValueError(
-      f"context_parallel_strategy='none' needs context = context_ulysses = 1, got mesh {shape}."
-    )
-  kernel_args = dict(
-    kernel_backend=cfg.attention_backend,
+def context_plan(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig) -> parallel.ContextPlan:
+  """The run's ContextPlan (lctx/parallel/plan.py) from the train and model configs."""
+  n, k, h, v = model_cfg.attention_head_dims
+  act_bytes = 2 if model_cfg.dtype == "bfloat16" else 4
+  dims = parallel.AttentionDims(
+    num_q_heads=n,
+    num_kv_heads=k,
+    head_dim=h,
+    v_head_dim=v,
+    bytes_per_element=act_bytes,
+    # Residual stream + MLP hidden per token, saved across one layer.
+    activation_bytes_per_token=act_bytes * (2 * model_cfg.d_model + model_cfg.mlp_dim),
+  )
+  kernel = parallel.KernelOptions(
+    backend=cfg.attention_backend,
     block_q=cfg.attention_block_q,
     block_kv=cfg.attention_block_kv,
     block_q_bwd=cfg.attention_block_q_bwd,
     block_kv_bwd=cfg.attention_block_kv_bwd,
   )
-  if cfg.attention_backend == "auto" and jax.default_backend() == "cpu":
-    if cpu_fused.available():
-      logging.info(
-        "attention: float32 calls run the fused C++ CPU kernel (lctx/kernels/cpu_attention.cc)"
-      )
-    else:
-      logging.warning(
-        "attention: the fused C++ CPU kernel is unavailable (%s); "
-        "using the pure-JAX blockwise kernel",
-        cpu_fused.unavailable_reason(),
-      )
-  if strategy == "none":
-    fn = local_attention_fn(**kernel_args)
-  else:
-    fn = parallel.make_attention_fn(mesh, strategy, load_balance=load_balance, **kernel_args)
-  return fn, strategy, load_balance
-
-
-def ring_size(mesh) -> int:
-  return mesh_lib.mesh_shape(mesh)["context"]
+  return parallel.make_context_plan(
+    mesh,
+    dims,
+    seq_len=cfg.seq_len,
+    batch_size=cfg.batch_size,
+    strategy=cfg.context_parallel_strategy,
+    load_balance=cfg.load_balance,
+    kernel=kernel,
+    memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -226,15 +230,6 @@ class Trainer:
 
   def __init__(self, model_cfg: models.ModelConfig, train_cfg: TrainConfig, mesh):
     self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
-    if train_cfg.cpu_vector_width not in (None, 128, 256, 512):
-      raise ValueError(
-        "TrainConfig.cpu_vector_width must be None, 128, 256 or "
-        f"512 (bits); got {train_cfg.cpu_vector_width!r}."
-      )
-    for name in ("attention_block_q_bwd", "attention_block_kv_bwd"):
-      value = getattr(train_cfg, name)
-      if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"TrainConfig.{name} must be None or a positive int; got {value!r}.")
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     if train_cfg.cpu_keep_freed_memory and on_cpu:
       host.keep_freed_memory()
@@ -242,9 +237,8 @@ class Trainer:
     self.compiler_options = {}
     if on_cpu and train_cfg.cpu_vector_width:
       self.compiler_options["xla_cpu_prefer_vector_width"] = int(train_cfg.cpu_vector_width)
-    self.attention_fn, self.strategy, self.load_balance = make_attention_fn(
-      train_cfg, mesh, model_cfg
-    )
+    self.plan = context_plan(train_cfg, mesh, model_cfg)
+    self.attention_fn = self.plan.attention_fn
     self.model = models.Transformer(model_cfg, self.attention_fn)
     self.tx, self.schedule = make_optimizer(train_cfg)
     self.batch_sharding = mesh_lib.batch_sharding(mesh)
@@ -267,12 +261,21 @@ class Trainer:
       self.state_sharding,
     )
     self._train_step = None
+    self._logits_apply = None
     self._eval_step = jax.jit(
       self._eval_step_impl,
       in_shardings=(self.state_sharding, self.batch_sharding),
       out_shardings=None,
       compiler_options=self.compiler_options,
     )
+
+  @property
+  def strategy(self) -> str:
+    return self.plan.strategy
+
+  @property
+  def load_balance(self) -> bool:
+    return self.plan.load_balance
 
   def _context(self):
     return _MeshRules(self.mesh, self.rules)
@@ -321,9 +324,18 @@ class Trainer:
 
   def _train_step_impl(self, state, batch):
     grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
-    (_, aux), grads = grad_fn(state["params"], batch)
+    (total, aux), grads = grad_fn(state["params"], batch)
     updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    # Non-finite guard: a step whose loss or gradient norm is not finite keeps
+    # the parameters and optimizer state; the loop counts and limits such steps.
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    params, opt_state = jax.tree.map(
+      lambda new, old: jnp.where(finite, new, old),
+      (params, opt_state),
+      (state["params"], state["opt_state"]),
+    )
     rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
     new_state = {
       "step": state["step"] + 1,
@@ -334,8 +346,9 @@ class Trainer:
     metrics = {
       "loss": aux["loss"],
       "tokens": aux["tokens"],
-      "grad_norm": optax.global_norm(grads),
+      "grad_norm": grad_norm,
       "learning_rate": self.schedule(state["step"]),
+      "skipped": jnp.logical_not(finite).astype(jnp.int32),
     }
     return new_state, metrics
 
@@ -386,17 +399,17 @@ class Trainer:
   def logits_fn(self, state) -> Callable[[Mapping[str, np.ndarray]], np.ndarray]:
     """Natural-order batch -> float32 logits, through the training forward.
 
-    Rows are padded to the batch sharding and, when the run load-balances,
-    zigzag-reordered in and out, so evals see exactly the training path.
+    Rows are padded to the batch sharding and put in the plan's device order in
+    and out, so evals see exactly the training path. The forward is jitted once
+    per trainer (compiled once per batch shape), not per call.
     """
-    from lctx import parallel  # pylint: disable=g-import-not-at-top
-
     batch_ways, _ = mesh_lib.batch_shard_counts(self.mesh)
-    ring = ring_size(self.mesh)
-    apply = jax.jit(
-      lambda p, x, pos, seg: self.model.apply({"params": p}, x, pos, seg).astype(jnp.float32),
-      compiler_options=self.compiler_options,
-    )
+    if self._logits_apply is None:
+      self._logits_apply = jax.jit(
+        lambda p, x, pos, seg: self.model.apply({"params": p}, x, pos, seg).astype(jnp.float32),
+        compiler_options=self.compiler_options,
+      )
+    apply = self._logits_apply
 
     def fn(batch):
       x = {k: np.asarray(batch[k]) for k in ("inputs", "positions", "segment_ids")}
@@ -404,8 +417,7 @@ class Trainer:
       pad = (-b) % batch_ways
       if pad:
         x = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in x.items()}
-      if self.load_balance:
-        x = {k: parallel.zigzag_reorder(v, ring) for k, v in x.items()}
+      x = self.plan.to_device_order(x)
       arrays = {
         k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in x.items()
       }
@@ -413,10 +425,7 @@ class Trainer:
         logits = apply(
           state["params"], arrays["inputs"], arrays["positions"], arrays["segment_ids"]
         )
-      logits = np.asarray(jax.device_get(logits))
-      if self.load_balance:
-        logits = parallel.zigzag_inverse(logits, ring)
-      return logits[:b]
+      return self.plan.to_natural_order(np.asarray(jax.device_get(logits)))[:b]
 
     return fn
 

@@ -58,11 +58,7 @@ def main(_):
     "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
     "loss_mask": np.ones((b, t), np.float32),
   }
-  if trainer.load_balance:
-    from lctx import parallel  # pylint: disable=g-import-not-at-top
-
-    ring = mesh_lib.mesh_shape(mesh)["context"]
-    batch = {k: parallel.zigzag_reorder(v, ring) for k, v in batch.items()}
+  batch = trainer.plan.to_device_order(batch)
   dev_batch = trainer.device_batch(batch)
   t0 = time.perf_counter()
   compiled = trainer.compile_train_step()

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from lctx import models, parallel
+from lctx import models
 from lctx.kernels import chunked_cross_entropy
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
@@ -104,11 +104,7 @@ def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw):
   batch = _batch()
   want_loss, want_grads = _reference(model_cfg, params, batch)
 
-  run_batch = batch
-  if trainer.load_balance:
-    ring = mesh_lib.mesh_shape(mesh)["context"]
-    run_batch = {k: parallel.zigzag_reorder(v, ring) for k, v in batch.items()}
-  dev = trainer.device_batch(run_batch)
+  dev = trainer.device_batch(trainer.plan.to_device_order(batch))
   with trainer._context():  # pylint: disable=protected-access
     (got_loss, _), got_grads = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))(
       state["params"], dev

@@ -1,4 +1,12 @@
-"""Mesh, logical-axis rules and the context-parallel attention strategies."""
+"""Mesh, logical-axis rules and the context-parallel attention strategies.
+
+Where things are: the strategy decision for a run (strategy, load balance, ring
+size, device order, kernel platform) is `plan.py`'s `ContextPlan`; the zigzag
+reorder is `zigzag.py`; the rules each strategy enforces are `validation.py`;
+`auto`'s choice is `auto.py`; the strategies themselves are `all_gather.py`,
+`ulysses.py` (ulysses and usp) and `ring.py`, dispatched over the mesh by
+`context.py` (`context_attention`, `make_attention_fn`).
+"""
 
 from lctx.parallel.context import (
   choose_strategy,
@@ -18,16 +26,28 @@ from lctx.parallel.mesh import (
   mesh_shape,
   resolve_mesh_shape,
 )
+from lctx.parallel.plan import (
+  PLAN_STRATEGIES,
+  AttentionDims,
+  ContextPlan,
+  KernelOptions,
+  make_context_plan,
+)
 
 __all__ = [
   "LOGICAL_RULES",
   "MESH_AXES",
+  "PLAN_STRATEGIES",
+  "AttentionDims",
+  "ContextPlan",
+  "KernelOptions",
   "MeshConfig",
   "batch_sharding",
   "choose_strategy",
   "context_attention",
   "local_attention_fn",
   "make_attention_fn",
+  "make_context_plan",
   "make_mesh",
   "mesh_shape",
   "resolve_mesh_shape",

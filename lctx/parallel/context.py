@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from lctx.parallel.all_gather import all_gather_attention_local
 from lctx.parallel.auto import choose_strategy
 from lctx.parallel.block_ops import AttnConfig
+from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape
 from lctx.parallel.ring import ring_attention_local
 from lctx.parallel.ulysses import ulysses_attention_local, usp_attention_local
 from lctx.parallel.validation import (
@@ -35,9 +36,8 @@ from lctx.parallel.validation import (
 )
 from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
 
-BATCH_AXES = ("data", "fsdp")
-SEQ_AXES = ("context", "context_ulysses")
-HEAD_AXIS = "tensor"
+# Where shard_map splits q/k/v: the mesh axes LOGICAL_RULES gives the activations.
+HEAD_AXIS = dict(LOGICAL_RULES)["act_heads"]
 
 __all__ = [
   "STRATEGIES",
@@ -45,17 +45,11 @@ __all__ = [
   "context_attention",
   "default_load_balance",
   "make_attention_fn",
-  "mesh_shape_of",
   "validate_context_parallel",
   "zigzag_inverse",
   "zigzag_reorder",
   "zigzag_ring_size",
 ]
-
-
-def mesh_shape_of(mesh) -> dict:
-  """Axis name -> size of a jax Mesh."""
-  return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
 def _present(mesh, axes):
@@ -64,7 +58,7 @@ def _present(mesh, axes):
 
 
 def _local_fn(strategy: str, mesh, cfg: AttnConfig):
-  shape = mesh_shape_of(mesh)
+  shape = mesh_shape(mesh)
   if strategy == "all_gather":
     return functools.partial(
       all_gather_attention_local, cfg=cfg, axis_names=_present(mesh, SEQ_AXES) or ()
@@ -112,7 +106,7 @@ def _sharded(mesh, strategy: str, cfg: AttnConfig, kv_heads_sharded: bool):
 
 def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions):
   b, t = q.shape[:2]
-  shape = mesh_shape_of(mesh)
+  shape = mesh_shape(mesh)
   rows = shape.get("data", 1) * shape.get("fsdp", 1)
   if b % rows != 0:
     raise ValueError(f"[batch-divisible] batch ({b}) must be divisible by data x fsdp = {rows}")
@@ -138,14 +132,17 @@ def make_attention_fn(
   load_balance: bool | None = None,
   block_q_bwd: int | None = None,
   block_kv_bwd: int | None = None,
+  platform: str | None = None,
 ):
   """Builds the model's attention plug-in for one resolved strategy.
 
   The batch it sees must already be in the order the pipeline produced (zigzag
   when load balancing); positions carry the true positions, so masks are right in
   either order. `load_balance` only feeds validation (None: not checked).
+  `platform`: what the kernels' 'auto' picks for (None: the mesh devices').
   Validation runs at trace time, before anything compiles.
   """
+  platform = platform or mesh.devices.flat[0].platform
   if strategy not in STRATEGIES:
     raise ValueError(
       f"[unknown-strategy] context_parallel_strategy {strategy!r} is not "
@@ -157,7 +154,7 @@ def make_attention_fn(
   ):
     validate_context_parallel(
       strategy=strategy,
-      mesh_shape=mesh_shape_of(mesh),
+      mesh_shape=mesh_shape(mesh),
       num_q_heads=q.shape[2],
       num_kv_heads=k.shape[2],
       seq_len=q.shape[1],
@@ -173,6 +170,7 @@ def make_attention_fn(
       sub_chunks=sub_chunks,
       block_q_bwd=block_q_bwd,
       block_kv_bwd=block_kv_bwd,
+      platform=platform,
     )
     return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
 
@@ -207,19 +205,15 @@ def context_attention(
   Returns:
     out `[B, T, N, V]` in natural order.
   """
-  shape = mesh_shape_of(mesh)
+  shape = mesh_shape(mesh)
   b, t, n, h = q.shape
   if strategy == "auto":
-    strategy, _ = choose_strategy(
-      mesh_shape=shape,
-      num_q_heads=n,
-      num_kv_heads=k.shape[2],
-      seq_len=t,
-      head_dim=h,
-      v_head_dim=v.shape[3],
-      batch_per_device=max(1, b // (shape.get("data", 1) * shape.get("fsdp", 1))),
-      bytes_per_element=q.dtype.itemsize,
-    )
+    from lctx.parallel.plan import AttentionDims, make_context_plan  # plan imports this module
+
+    dims = AttentionDims(n, k.shape[2], h, v.shape[3], bytes_per_element=q.dtype.itemsize)
+    strategy = make_context_plan(
+      mesh, dims, seq_len=t, batch_size=b, load_balance=load_balance
+    ).strategy
   validate_context_parallel(
     strategy=strategy,
     mesh_shape=shape,

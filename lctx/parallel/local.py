@@ -17,6 +17,7 @@ def local_attention_fn(
   block_kv: int = 512,
   block_q_bwd: int | None = None,
   block_kv_bwd: int | None = None,
+  platform: str | None = None,
 ) -> Callable:
   """The model plug-in (docs/contracts.md) calling `lctx.kernels`."""
 
@@ -40,6 +41,7 @@ def local_attention_fn(
       block_q_bwd=block_q_bwd,
       block_kv_bwd=block_kv_bwd,
       backend=kernel_backend,
+      platform=platform,
       **kw,
     )
 

@@ -1,0 +1,236 @@
+"""The context plan: every decision about how one run splits its sequences.
+
+`make_context_plan` is where the strategy is chosen (`auto` included), where the
+load-balance default is applied, where the zigzag ring size is fixed and where
+the attention kernel's platform is read from the mesh. The trainer, the loop,
+the evals adapter (`logits_fn`), the benchmarks and the tests ask the
+`ContextPlan` it returns:
+
+    plan = make_context_plan(mesh, dims, seq_len=..., batch_size=..., strategy="auto")
+    plan.strategy, plan.load_balance, plan.ring_size, plan.platform
+    plan.attention_fn                      # the model's attention plug-in
+    batch = plan.to_device_order(batch)    # host rows -> the order devices hold
+    logits = plan.to_natural_order(logits) # and back (numpy or jax arrays)
+
+Strategy 'none' is a strategy like the others: no context parallelism, the
+kernel runs on whole sequences (XLA may still shard batch and heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+
+from jax.sharding import Mesh
+
+from lctx.kernels import BACKENDS, cpu_fused
+from lctx.parallel import mesh as mesh_lib
+from lctx.parallel.auto import choose_strategy
+from lctx.parallel.context import make_attention_fn
+from lctx.parallel.local import local_attention_fn
+from lctx.parallel.validation import (
+  STRATEGIES,
+  default_load_balance,
+  validate_context_parallel,
+  zigzag_ring_size,
+)
+from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
+
+log = logging.getLogger(__name__)
+
+PLAN_STRATEGIES = ("none", *STRATEGIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionDims:
+  """The attention shapes a plan needs, as the kernels see them.
+
+  Attributes:
+    num_q_heads: N.
+    num_kv_heads: K (MLA: N; its K/V are per head).
+    head_dim: H, the q/k head dim (MLA: nope + rope).
+    v_head_dim: V (equal to H except for MLA).
+    bytes_per_element: activation bytes (2 for bf16, 4 for f32).
+    activation_bytes_per_token: bytes per local token saved across a layer
+      besides attention (residual stream + MLP hidden), for `auto`'s estimate.
+  """
+
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  v_head_dim: int
+  bytes_per_element: int = 2
+  activation_bytes_per_token: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+  """Attention kernel settings (lctx.kernels.flash_attention)."""
+
+  backend: str = "auto"
+  block_q: int = 512
+  block_kv: int = 512
+  block_q_bwd: int | None = None
+  block_kv_bwd: int | None = None
+
+  def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"attention_backend must be one of {BACKENDS}; got {self.backend!r}")
+    for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+      value = getattr(self, name)
+      optional = name.endswith("_bwd")
+      if (value is None and optional) or (isinstance(value, int) and value >= 1):
+        continue
+      kind = "None or a positive int" if optional else "a positive int"
+      raise ValueError(f"attention_{name} must be {kind}; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextPlan:
+  """A resolved context-parallel plan for one mesh and one model.
+
+  Attributes:
+    mesh: the device mesh.
+    strategy: one of PLAN_STRATEGIES ('auto' is resolved).
+    load_balance: whether batches are held in zigzag order.
+    ring_size: P of the zigzag reorder (the `context` axis size).
+    platform: platform of the mesh devices ('cpu', 'gpu', 'tpu'): the kernels'
+      'auto' backend picks for it, not for the host running Python.
+    kernel: attention kernel settings.
+    reason: why this strategy (the `auto` choice, or 'configured').
+  """
+
+  mesh: Mesh
+  strategy: str
+  load_balance: bool
+  ring_size: int
+  platform: str
+  kernel: KernelOptions
+  reason: str = "configured"
+
+  @property
+  def context_degree(self) -> int:
+    shape = mesh_lib.mesh_shape(self.mesh)
+    return shape.get("context", 1) * shape.get("context_ulysses", 1)
+
+  @property
+  def attention_fn(self) -> Callable:
+    """The model plug-in (docs/contracts.md) for batches in device order."""
+    k = self.kernel
+    kw = dict(
+      kernel_backend=k.backend,
+      block_q=k.block_q,
+      block_kv=k.block_kv,
+      block_q_bwd=k.block_q_bwd,
+      block_kv_bwd=k.block_kv_bwd,
+      platform=self.platform,
+    )
+    if self.strategy == "none":
+      return local_attention_fn(**kw)
+    return make_attention_fn(self.mesh, self.strategy, load_balance=self.load_balance, **kw)
+
+  def to_device_order(self, batch: Mapping[str, object], axis: int = 1) -> dict:
+    """Natural token order -> the order the devices hold (zigzag when balancing),
+    for every array of a batch (numpy on the host, or jax arrays)."""
+    if not self.load_balance:
+      return dict(batch)
+    return {k: zigzag_reorder(v, self.ring_size, axis=axis) for k, v in batch.items()}
+
+  def to_natural_order(self, x, axis: int = 1):
+    """Device order -> natural token order along `axis` (e.g. logits)."""
+    if not self.load_balance:
+      return x
+    return zigzag_inverse(x, self.ring_size, axis=axis)
+
+  def describe(self) -> str:
+    lb = "zigzag load balance" if self.load_balance else "no load balance"
+    return (
+      f"strategy {self.strategy} (context degree {self.context_degree}, {lb}, "
+      f"kernel {self.kernel.backend} on {self.platform}): {self.reason}"
+    )
+
+
+def mesh_platform(mesh: Mesh) -> str:
+  """The platform of the mesh's devices ('cpu', 'gpu', 'tpu')."""
+  return mesh.devices.flat[0].platform
+
+
+def make_context_plan(
+  mesh: Mesh,
+  dims: AttentionDims,
+  *,
+  seq_len: int,
+  batch_size: int,
+  strategy: str = "auto",
+  load_balance: bool | None = None,
+  kernel: KernelOptions = KernelOptions(),
+  memory_budget_bytes: int | None = None,
+) -> ContextPlan:
+  """Resolves strategy (incl. 'auto'), load balance and ring size; validates.
+
+  Raises ValueError naming the broken rule (lctx/parallel/validation.py) before
+  anything compiles.
+  """
+  if strategy not in (*PLAN_STRATEGIES, "auto"):
+    raise ValueError(
+      f"[unknown-strategy] context_parallel_strategy {strategy!r} is not one of "
+      f"{(*PLAN_STRATEGIES, 'auto')}"
+    )
+  shape = mesh_lib.mesh_shape(mesh)
+  degree = shape.get("context", 1) * shape.get("context_ulysses", 1)
+  reason = "configured"
+  if strategy == "auto" and degree == 1:
+    strategy, reason = "none", "context degree 1: no context parallelism"
+  elif strategy == "auto":
+    batch_ways, _ = mesh_lib.batch_shard_counts(mesh)
+    strategy, reason = choose_strategy(
+      mesh_shape=shape,
+      num_q_heads=dims.num_q_heads,
+      num_kv_heads=dims.num_kv_heads,
+      seq_len=seq_len,
+      head_dim=dims.head_dim,
+      v_head_dim=dims.v_head_dim if dims.v_head_dim != dims.head_dim else None,
+      batch_per_device=max(1, batch_size // batch_ways),
+      bytes_per_element=dims.bytes_per_element,
+      memory_budget_bytes=memory_budget_bytes,
+      activation_bytes_per_token=dims.activation_bytes_per_token,
+      load_balance=load_balance,
+    )
+  if load_balance is None:
+    load_balance = default_load_balance(strategy)
+  if strategy == "none":
+    if degree > 1:
+      raise ValueError(
+        "[none-needs-no-context] context_parallel_strategy='none' needs context = "
+        f"context_ulysses = 1, got mesh {shape}"
+      )
+    if load_balance:
+      raise ValueError("[none-load-balance] strategy 'none' has no ring to balance")
+  else:
+    validate_context_parallel(
+      strategy=strategy,
+      mesh_shape=shape,
+      num_q_heads=dims.num_q_heads,
+      num_kv_heads=dims.num_kv_heads,
+      seq_len=seq_len,
+      load_balance=load_balance,
+    )
+  platform = mesh_platform(mesh)
+  if kernel.backend == "auto" and platform == "cpu" and not cpu_fused.available():
+    log.warning(
+      "attention: the fused C++ CPU kernel is unavailable (%s); float32 calls run "
+      "the pure-JAX blockwise kernel",
+      cpu_fused.unavailable_reason(),
+    )
+  plan = ContextPlan(
+    mesh=mesh,
+    strategy=strategy,
+    load_balance=bool(load_balance),
+    ring_size=zigzag_ring_size(shape),
+    platform=platform,
+    kernel=kernel,
+    reason=reason,
+  )
+  log.info("context plan: %s", plan.describe())
+  return plan

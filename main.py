@@ -100,6 +100,9 @@ def main(argv):
   if FLAGS.jax_distributed:
     import jax  # pylint: disable=g-import-not-at-top
 
+    # CPU processes (scripts/launch_local.sh) need gloo for cross-process
+    # collectives; the option only concerns the CPU client.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   from lctx import configs, train  # pylint: disable=g-import-not-at-top
 

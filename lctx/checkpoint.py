@@ -1,21 +1,35 @@
 """Orbax checkpoints: asynchronous saves, keep the last K, resume from latest.
 
 A checkpoint holds three items:
-  state: the train state pytree (params, optimizer state, step, rng);
-  data:  the data iterator's JSON state, so a resumed run sees exactly the
-         batches an uninterrupted run would;
+  state: the train state pytree (params, optimizer state, step, rng), each
+         process writing its own shards;
+  data:  every process's data-iterator JSON state (`{"processes": [...]}`,
+         gathered to process 0, which writes JSON items), so a resumed run sees
+         exactly the batches an uninterrupted run would;
   meta:  the model config (and other fingerprints) used to refuse a resume
          whose config does not match, with a message naming the fields.
+
+`restore_latest` resumes from the newest checkpoint that restores: one that
+is partial or corrupt (missing or damaged files) is moved aside to
+`<workdir>/checkpoints.corrupt/` with a warning, and the next older one is
+tried. All processes agree on the outcome of every attempt.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 
 class CheckpointMismatchError(ValueError):
@@ -40,6 +54,25 @@ def _normalise(v):
   return v
 
 
+def _gather_json(obj: Any) -> list[Any]:
+  """Every process's JSON-serialisable `obj`, in process order (a collective)."""
+  if jax.process_count() == 1:
+    return [obj]
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.array([data.size], np.int32)).reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[: data.size] = data
+  rows = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(rows[i, : sizes[i]])) for i in range(len(sizes))]
+
+
+def _all_processes(ok: bool) -> bool:
+  """True when `ok` holds on every process (a collective)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(multihost_utils.process_allgather(np.array([ok], np.int32)).min())
+
+
 class Checkpointer:
   """Thin wrapper around `ocp.CheckpointManager` for the train loop."""
 
@@ -56,19 +89,33 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
   def should_save(self, step: int, final: bool = False) -> bool:
     return final or (self.save_every > 0 and step % self.save_every == 0)
 
   def save(
-    self, step: int, state: Any, data_state: Mapping[str, Any] | None, meta: Mapping[str, Any]
+    self,
+    step: int,
+    state: Any,
+    data_state: Mapping[str, Any] | None,
+    meta: Mapping[str, Any],
+    wait: bool = False,
   ) -> None:
+    """Saves `step` (all processes call this); `wait` blocks until it is on disk."""
+    processes = _gather_json(dict(data_state or {}))
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(state),
-      data=ocp.args.JsonSave(dict(data_state or {})),
+      data=ocp.args.JsonSave({"processes": processes}),
       meta=ocp.args.JsonSave(dict(meta)),
     )
     self._manager.save(step, args=args, force=True)
-    logging.info("Checkpoint for step %d is being written to %s", step, self.directory)
+    if wait:
+      self._manager.wait_until_finished()
+      logging.info("Checkpoint for step %d written to %s", step, self.directory)
+    else:
+      logging.info("Checkpoint for step %d is being written to %s", step, self.directory)
 
   def check_compatible(self, step: int, meta: Mapping[str, Any]) -> None:
     """Raises CheckpointMismatchError naming every mismatched model field."""
@@ -89,7 +136,7 @@ class Checkpointer:
   def restore(
     self, step: int, abstract_state: Any, meta: Mapping[str, Any]
   ) -> tuple[Any, dict[str, Any]]:
-    """Restores (state, data_state) at `step` after checking compatibility."""
+    """Restores (state, this process's data_state) at `step` after checking compatibility."""
     self.check_compatible(step, meta)
     restored = self._manager.restore(
       step,
@@ -98,7 +145,70 @@ class Checkpointer:
         data=ocp.args.JsonRestore(),
       ),
     )
-    return restored["state"], dict(restored["data"] or {})
+    return restored["state"], self._own_data_state(step, dict(restored["data"] or {}))
+
+  def _own_data_state(self, step: int, saved: dict[str, Any]) -> dict[str, Any]:
+    if "processes" not in saved:  # written before per-process data states
+      return saved if jax.process_count() == 1 else {}
+    processes = saved["processes"]
+    if len(processes) != jax.process_count():
+      logging.warning(
+        "Checkpoint step %d holds the data state of %d processes, this run has %d: "
+        "the data stream restarts from its beginning.",
+        step,
+        len(processes),
+        jax.process_count(),
+      )
+      return {}
+    return dict(processes[jax.process_index()] or {})
+
+  def restore_latest(
+    self, abstract_state: Any, meta: Mapping[str, Any]
+  ) -> tuple[int, Any, dict[str, Any]] | None:
+    """(step, state, data_state) of the newest checkpoint that restores; None if none exist.
+
+    A checkpoint that fails to restore (missing or damaged files) is moved to
+    `<workdir>/checkpoints.corrupt/` with a warning, and the next older one is
+    tried; if none restores, the last error is raised. A config mismatch
+    (CheckpointMismatchError) is raised at once.
+    """
+    steps = self.all_steps()
+    error = None
+    for step in reversed(steps):
+      try:
+        state, data_state = self.restore(step, abstract_state, meta)
+        ok = True
+      except CheckpointMismatchError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
+        state, data_state, ok, error = None, None, False, e
+      if _all_processes(ok):
+        return step, state, data_state
+      logging.warning(
+        "Checkpoint step %d in %s is corrupt (%s); skipping it and trying an older one.",
+        step,
+        self.directory,
+        f"{type(error).__name__}: {str(error)[:300]}" if error else "unreadable on another process",
+      )
+      self._set_aside(step)
+    if steps:
+      raise RuntimeError(
+        f"No checkpoint in {self.directory} restores (tried steps {steps}); "
+        "the last error is above. Move the directory away to start afresh."
+      ) from error
+    return None
+
+  def _set_aside(self, step: int) -> None:
+    """Moves a corrupt step out of the manager's directory (kept for inspection)."""
+    if jax.process_index() == 0:
+      aside = self.directory + ".corrupt"
+      os.makedirs(aside, exist_ok=True)
+      target = os.path.join(aside, f"{step}.{int(time.time())}")
+      os.rename(os.path.join(self.directory, str(step)), target)
+      logging.warning("Moved the corrupt checkpoint step %d to %s", step, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"lctx_checkpoint_set_aside_{step}")
+    self._manager.reload()
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
@@ -106,3 +216,42 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+class PreemptionWatch:
+  """Has a preemption notice (SIGTERM) reached the run? The same answer on every process.
+
+  Multi-process runs use jax's preemption sync service (started by
+  jax.distributed.initialize; it catches SIGTERM on any process and makes every
+  process stop at the same step). Otherwise a Python SIGTERM handler raises a
+  flag, and with several processes a per-step cross-process max makes them
+  agree. Call `reached(step)` once per step on every process.
+  """
+
+  def __init__(self):
+    self._flag = False
+    self._previous = None
+    self.stopped_at: int | None = None  # set by the loop when it stops for a notice
+    self._service = jax.process_count() > 1 and _preemption_service_running()
+    if not self._service and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
+    self._flag = True
+    logging.warning("SIGTERM: finishing this step, then checkpointing and exiting.")
+
+  def reached(self, step: int) -> bool:
+    if self._service:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return not _all_processes(not self._flag)
+
+  def close(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+
+def _preemption_service_running() -> bool:
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+
+  return distributed.global_state.preemption_sync_manager is not None

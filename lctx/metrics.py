@@ -147,3 +147,49 @@ def _to_python(v):
   if hasattr(v, "item"):
     return v.item()
   return v
+
+
+class Profiler:
+  """A jax.profiler trace of steps start+1 .. stop (`TrainConfig.profile_steps`).
+
+  The trace lands under `directory` (TensorBoard's profile plugin reads it);
+  every process traces its own devices. `profile_steps=None` does nothing.
+  """
+
+  def __init__(self, profile_steps: tuple[int, int] | None, directory: str):
+    if profile_steps is not None:
+      ok = (
+        isinstance(profile_steps, (tuple, list))
+        and len(profile_steps) == 2
+        and all(isinstance(s, int) for s in profile_steps)
+        and 0 <= profile_steps[0] < profile_steps[1]
+      )
+      if not ok:
+        raise ValueError(
+          "TrainConfig.profile_steps must be None or (start, stop) with "
+          f"0 <= start < stop; got {profile_steps!r}."
+        )
+    self._window, self._directory = profile_steps, directory
+    self._active = self._done = False
+
+  def before_step(self, step: int) -> None:
+    """`step`: steps done before the one about to run."""
+    if self._window is None or self._active or self._done:
+      return
+    start, stop = self._window
+    if start <= step < stop:
+      os.makedirs(self._directory, exist_ok=True)
+      jax.profiler.start_trace(self._directory)
+      self._active = True
+      logging.info("Profiling steps %d..%d into %s", step + 1, stop, self._directory)
+
+  def after_step(self, step: int, outputs: Any) -> None:
+    if self._active and step >= self._window[1]:
+      jax.block_until_ready(outputs)
+      self.stop()
+
+  def stop(self) -> None:
+    if self._active:
+      jax.profiler.stop_trace()
+      self._active, self._done = False, True
+      logging.info("Profile written to %s", self._directory)

@@ -10,7 +10,10 @@ dataclasses and the experiment bindable from gin files, e.g.
 
 from __future__ import annotations
 
+import os
+
 import gin
+from gin import config_parser
 
 from lctx import data as data_lib
 from lctx import evals as evals_lib
@@ -30,6 +33,36 @@ EvalConfig = gin.external_configurable(evals_lib.EvalConfig, "EvalConfig")
 # The retrieval tasks join the data mixture as `retrieval_<task>` sources, so gin
 # files can name them in DataConfig.sources.
 mixture.register_retrieval_sources()
+
+
+MODEL_GIN_DIR = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin", "models"
+)
+
+
+def model_config(name: str, **overrides) -> models.ModelConfig:
+  """The ModelConfig that gin/models/<name>.gin binds, with keyword overrides.
+
+  The model-size gin files are the one place sizes are written; this reads their
+  `ModelConfig.<field> = <value>` bindings without touching the global gin config.
+  """
+  path = os.path.join(MODEL_GIN_DIR, f"{name}.gin")
+  if not os.path.exists(path):
+    known = sorted(os.path.splitext(f)[0] for f in os.listdir(MODEL_GIN_DIR))
+    raise ValueError(f"no model size {name!r}: {path} does not exist; known: {known}")
+  with open(path) as f:
+    parser = config_parser.ConfigParser(f.read(), gin.config.ParserDelegate(skip_unknown=True))
+    fields = {}
+    for statement in parser:
+      if (
+        not isinstance(statement, config_parser.BindingStatement)
+        or statement.selector != "ModelConfig"
+      ):
+        raise ValueError(
+          f"{path}: model-size files hold only ModelConfig bindings; got {statement}"
+        )
+      fields[statement.arg_name] = statement.value
+  return models.ModelConfig(**{**fields, **overrides})
 
 
 @gin.configurable("experiment")

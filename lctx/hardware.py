@@ -138,3 +138,29 @@ def parse_target(name: str) -> Target:
       f"'<kind>x<gpus>' (GPU, e.g. 'h100x8'); known kinds: {', '.join(sorted(ACCELERATORS))}"
     )
   return Target(accelerator(m.group(1)), int(m.group(2)))
+
+
+# `jax.Device.device_kind` strings (lower case) -> table rows. Longest match wins:
+# 'tpu v5 lite' is a v5e, 'tpu v5' a v5p.
+DEVICE_KINDS: dict[str, str] = {
+  "tpu v5p": "v5p",
+  "tpu v5 lite": "v5e",
+  "tpu v5e": "v5e",
+  "tpu v5": "v5p",
+  "tpu v6 lite": "v6e",
+  "tpu v6e": "v6e",
+  "tpu7x": "tpu7x",
+  "tpu7": "tpu7x",
+  "nvidia h100": "h100",
+  "nvidia h200": "h200",
+}
+
+
+def accelerator_of_device_kind(device_kind: str) -> Accelerator | None:
+  """The table row of a `jax.Device.device_kind` ('TPU v5p', 'NVIDIA H100 80GB HBM3'),
+  or None for kinds the table does not know (CPU)."""
+  kind = device_kind.lower()
+  for name in sorted(DEVICE_KINDS, key=len, reverse=True):
+    if name in kind:
+      return ACCELERATORS[DEVICE_KINDS[name]]
+  return None

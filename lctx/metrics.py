@@ -1,8 +1,8 @@
 """Throughput accounting (MFU) and metric writers.
 
-MFU follows ../shared/REFERENCE.md section 4: model FLOPs per non-pad token
-(training = 3 x forward) times tokens per second, over the peak FLOP/s of the
-devices. Peak FLOP/s is a table for accelerators and a same-run matmul
+MFU uses model FLOPs per non-pad token (`ModelConfig.flops_per_token`, the
+PaLM-paper convention: training = 3 x forward, padding not counted) times tokens
+per second, over the peak FLOP/s of the devices. Peak FLOP/s is a table for accelerators and a same-run matmul
 measurement on CPU, so a CPU "MFU" is a fraction of what this machine's own
 matmul reaches.
 """
@@ -17,20 +17,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import tensorboardX
 from absl import logging
 
-# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
-PEAK_FLOPS_PER_DEVICE = {
-  "tpu v5p": 459e12,
-  "tpu v5": 459e12,
-  "tpu v5 lite": 197e12,  # v5e
-  "tpu v6 lite": 918e12,  # v6e (Trillium)
-  "tpu v6e": 918e12,
-  "tpu7x": 2307e12,  # TPU7 (Ironwood)
-  "tpu7": 2307e12,
-  "nvidia h100": 989e12,
-  "nvidia h200": 989e12,
-}
+from lctx import hardware
 
 
 def measure_matmul_flops(
@@ -56,10 +46,11 @@ def peak_flops_per_device(device: jax.Device | None = None) -> tuple[float, str]
   share the same cores: the measured matmul rate is split evenly between them.
   """
   device = device or jax.local_devices()[0]
-  kind = device.device_kind.lower()
-  for name, flops in sorted(PEAK_FLOPS_PER_DEVICE.items(), key=lambda kv: -len(kv[0])):
-    if name in kind:
-      return flops, f"spec sheet ({device.device_kind})"
+  acc = hardware.accelerator_of_device_kind(device.device_kind)
+  if acc is not None:
+    # Per device: a TPU7x chip's peak is shared by its two devices.
+    flops = acc.peak_bf16_flops_per_chip / acc.devices_per_chip
+    return flops, f"spec sheet ({device.device_kind}, lctx/hardware.py)"
   if device.platform == "cpu":
     rate = measure_matmul_flops(device=device)
     share = rate / jax.local_device_count()
@@ -116,12 +107,7 @@ class MetricWriter:
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed in close())
     if enable_tensorboard:
-      try:
-        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-      except ImportError:
-        logging.warning("tensorboardX not installed: no TensorBoard events.")
+      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
     if not self._active:

@@ -4,7 +4,7 @@ r"""Steady-state training throughput of a gin experiment.
 
 Times `--steps` train steps after `--warmup` (compile excluded) on random-token
 batches of the experiment's shape (every token real: no padding), and reports
-tokens/s and model FLOP/s (REFERENCE.md section 4) as a fraction of a 2048^3
+tokens/s and model FLOP/s (`ModelConfig.flops_per_token`) as a fraction of a 2048^3
 matmul timed in the same run on the same devices. Prints a table and writes
 JSON (--out).
 """

@@ -106,3 +106,13 @@ def test_local_config_trains_one_step(path, tmp_path):
   )
   train_lib.run("train", str(tmp_path), exp)
   assert os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_model_size_files_are_the_published_sizes():
+  # gin/models/*.gin are the only place model sizes are written.
+  assert round(configs.model_config("llama3_8b").num_params() / 1e9, 2) == 8.03
+  assert round(configs.model_config("llama3_70b").num_params() / 1e9, 1) == 70.6
+  tiny = configs.model_config("tiny", num_layers=3)
+  assert (tiny.d_model, tiny.num_layers, tiny.num_heads, tiny.num_kv_heads) == (128, 3, 4, 2)
+  with pytest.raises(ValueError, match="no model size 'llama9'"):
+    configs.model_config("llama9")

@@ -10,15 +10,25 @@ import pytest
 from flax import linen as nn
 
 from lctx.models import (
+  ModelConfig,
   Transformer,
   reference_attention_fn,
   stack_unscanned_params,
-  tiny,
   unembed_matrix,
 )
 from lctx.models.reference import reference_forward
 
 B, T = 2, 12
+
+
+def tiny(**overrides) -> ModelConfig:
+  """The hand-countable model of these tests: 2 layers, D 64, 4 q / 2 kv heads of 16,
+  F 128, E 256 (smaller than gin/models/tiny.gin on purpose)."""
+  kw = dict(
+    vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128
+  )
+  return ModelConfig(**{**kw, **overrides})
+
 
 MLA = dict(
   attention="mla",

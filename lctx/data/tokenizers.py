@@ -82,7 +82,7 @@ class SentencePieceTokenizer:
   """
 
   def __init__(self, model_path: str):
-    import sentencepiece as spm  # local import: optional for byte-only users
+    import sentencepiece as spm  # imported here: byte-level runs never load it
 
     model_path = os.path.expanduser(model_path)
     if not os.path.exists(model_path):

@@ -1,6 +1,7 @@
 """Teacher-forced scoring through the training forward pass.
 
-`logits_fn(batch) -> logits` is the lead's wrapper around the sharded forward:
+`logits_fn(batch) -> logits` is the trainer's wrapper around the sharded forward
+(`Trainer.logits_fn`):
 batch holds `inputs, positions, segment_ids` int32 [B, T] in natural order and
 it returns float32 logits [B, T, E]. Rows here are RIGHT-padded to a multiple of
 `length_multiple` with pad id 0, segment 0 and position 0, so real tokens keep

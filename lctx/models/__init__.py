@@ -6,12 +6,12 @@ Public API:
   reference_attention_fn       default plain-jnp attention plug-in
   unembed_matrix(params, config) -> [D, E]
   stack_unscanned_params(params, config)
-  presets: tiny, llama_100m, llama3_8b, llama3_70b
+
+Model sizes live in gin/models/*.gin only (lctx.configs.model_config reads one).
 """
 
 from lctx.models.attention import reference_attention_fn
 from lctx.models.config import ModelConfig
-from lctx.models.presets import llama3_8b, llama3_70b, llama_100m, tiny
 from lctx.models.transformer import Transformer, stack_unscanned_params, unembed_matrix
 
 __all__ = [
@@ -20,8 +20,4 @@ __all__ = [
   "reference_attention_fn",
   "unembed_matrix",
   "stack_unscanned_params",
-  "tiny",
-  "llama_100m",
-  "llama3_8b",
-  "llama3_70b",
 ]

@@ -89,10 +89,10 @@ def _sharded(mesh, strategy: str, cfg: AttnConfig, kv_heads_sharded: bool):
   kv_spec = P(batch, seq, head if kv_heads_sharded else None, None)
   tok_spec = P(batch, seq)
   specs = (q_spec, kv_spec, kv_spec, tok_spec, tok_spec)
-  # check_vma=False: the kernels' internal loop carries need not be typed as
-  # device-varying (they are not, e.g. lctx.kernels' blockwise fori_loop).
+  # check_vma=True: every kernel and strategy types its loop carries and
+  # cotangents (lctx.kernels.shard_typing), so shard_map checks them.
   fn = jax.shard_map(
-    _local_fn(strategy, mesh, cfg), mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False
+    _local_fn(strategy, mesh, cfg), mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=True
   )
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from lctx.kernels.masking import MASKED_LSE
-from lctx.kernels.shard_typing import varying_like
+from lctx.kernels.shard_typing import cotangent_like, varying_like
 from lctx.parallel import block_ops
 from lctx.parallel.block_ops import AttnConfig
 
@@ -160,7 +160,15 @@ def _ring_bwd(cfg, axis, size, res, dout):
   dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg)
   if size > 1:
     dkv = send(dkv)  # the last hop's block belongs to the next device
-  return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None)
+  # Typed like their primals (K/V replicated over tensor for MQA: summed there).
+  refs = (q, k, v, dout)
+  return (
+    cotangent_like(dq, q, *refs).astype(q.dtype),
+    cotangent_like(dkv[0], k, *refs).astype(k.dtype),
+    cotangent_like(dkv[1], v, *refs).astype(v.dtype),
+    None,
+    None,
+  )
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -5,13 +5,14 @@ Backends (`BACKENDS`):
 - "cpu": the fused C++ kernel on the XLA CPU backend (cpu_fused.py, built by
   cpu_build.py): the same masks and lse as blockwise, float32, head dims that are
   multiples of 16.
-- "splash": TPU Pallas splash attention (splash.py); through the Pallas
-  interpreter on CPU.
+- "splash": TPU Pallas splash attention (splash.py): lse, segment ids, windows,
+  GQA/MQA; explicit positions through a token `layout` (the strategies pass
+  one); through the Pallas interpreter on CPU.
 - "cudnn", "xla": `jax.nn.dot_product_attention` (jax_nn.py).
 - "reference": the dense plain-jnp reference (reference.py).
 - "auto": by the platform the call compiles for, where the call qualifies:
   splash on 'tpu', cudnn on 'gpu', cpu on 'cpu' (the kernel also built here),
-  else blockwise.
+  else blockwise; passing over splash on 'tpu' logs its reason once.
 
 `platform` is the platform of the devices the computation runs on ('tpu',
 'gpu', 'cpu'). Callers that know their mesh pass it (a TPU compile started from
@@ -23,11 +24,13 @@ Pallas/TPU modules are imported only when splash runs.
 
 The ring block API (`attention_block_forward` / `attention_block_backward`: one
 visiting K/V block, normalised out + lse, and the FA2 backward against the global
-out/lse) goes through the same choice; backends without a block form
-("reference", "xla", "cudnn") run their blocks on the blockwise kernel.
+out/lse) goes through the same choice (splash, cpu and blockwise have block forms);
+backends without one ("reference", "xla", "cudnn") run their blocks on blockwise.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 
@@ -42,6 +45,14 @@ from lctx.kernels.reference import reference_attention
 
 BACKENDS = ("auto", "blockwise", "cpu", "reference", "splash", "cudnn", "xla")
 PLATFORMS = ("cpu", "gpu", "tpu")
+_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+
+
+def _log_fallback(kernel: str, why: str) -> None:
+  """'auto' passed over a kernel: say why, once per distinct reason (not per call)."""
+  if (kernel, why) not in _FALLBACKS_LOGGED:
+    _FALLBACKS_LOGGED.add((kernel, why))
+    logging.getLogger(__name__).warning("attention 'auto': not %s (%s); blockwise", kernel, why)
 
 
 def _platform(platform: str | None) -> str:
@@ -62,6 +73,7 @@ def choose_backend(
   positions_given: bool = False,
   window_size=None,
   return_lse: bool = False,
+  layout=None,
 ) -> str:
   """The backend a call runs on: `backend` itself unless it is "auto"."""
   if backend not in BACKENDS:
@@ -69,8 +81,11 @@ def choose_backend(
   if backend != "auto":
     return backend
   p = _platform(platform)
-  if p == "tpu" and not splash.unsupported(q, k, v, positions_given, return_lse):
-    return "splash"
+  if p == "tpu":
+    why = splash.unsupported(q, k, v, positions_given=positions_given, layout=layout)
+    if not why:
+      return "splash"
+    _log_fallback("splash", why)
   if p == "gpu" and not jax_nn.cudnn_unsupported(
     q, k, v, segment_ids, positions_given, window_size, return_lse
   ):
@@ -99,6 +114,7 @@ def flash_attention(
   block_q_bwd=None,
   block_kv_bwd=None,
   platform=None,
+  layout=None,
 ):
   """Attention without the score matrix, skipping fully masked blocks.
 
@@ -106,7 +122,7 @@ def flash_attention(
   `[B, S, K, H]`, v `[B, S, K, V]`; segment_ids `[B, T]` or `(q_ids, kv_ids)`,
   0 = padding; causality and window on positions (default arange). Returns out
   `[B, T, N, V]` (and lse `[B, N, T]` f32 if return_lse). Differentiable in
-  q, k, v (and through lse on the blockwise and cpu backends).
+  q, k, v (and through lse on the blockwise, cpu and splash backends).
   backend: one of BACKENDS (see module docstring).
   block_q, block_kv: kernel blocks (blockwise, cpu, splash); block_q_bwd,
     block_kv_bwd: the backward pass's (None: the same).
@@ -117,6 +133,9 @@ def flash_attention(
     positions were passed. Ignored by blockwise/reference/xla.
   platform: 'tpu' | 'gpu' | 'cpu' the call compiles for (None: the default
     backend); decides what "auto" picks.
+  layout: `lctx.kernels.splash.Layout` (splash only): which natural token indices
+    the q and kv rows hold, so splash can take explicit positions (see splash.py
+    for what it promises about them). The strategies pass it.
   """
   check_shapes(q, k, v)
   common = dict(
@@ -138,6 +157,7 @@ def flash_attention(
     positions_given=positions_given,
     window_size=window_size,
     return_lse=return_lse,
+    layout=layout,
   )
   blocks = dict(
     block_q=block_q, block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd
@@ -152,10 +172,7 @@ def flash_attention(
     if return_lse:
       raise ValueError("backend='xla' cannot return lse; use 'blockwise' or 'reference'")
     return jax_nn.xla_attention(q, k, v, **common)
-  if backend == "splash":
-    why = splash.unsupported(q, k, v, positions_given, return_lse)
-    if why:
-      raise ValueError(f"backend='splash': {why}")
+  if backend == "splash":  # raises ValueError naming why if the call cannot take it
     return splash.splash_attention(
       q,
       k,
@@ -164,6 +181,9 @@ def flash_attention(
       causal=causal,
       window_size=window_size,
       softmax_scale=softmax_scale,
+      return_lse=return_lse,
+      layout=layout,
+      positions_given=positions_given,
       interpret=_platform(platform) != "tpu",
       **blocks,
     )
@@ -173,15 +193,21 @@ def flash_attention(
   return jax_nn.cudnn_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
-def _block_backend(q, k, v, backend: str, platform: str | None) -> str:
-  """The kernel of one ring block step: the fused CPU kernel where flash_attention
-  would take it, else blockwise."""
+def _block_backend(q, k, v, backend: str, platform: str | None, layout, positions_given) -> str:
+  """The kernel of one ring block step: splash or the fused CPU kernel where
+  flash_attention would take them, else blockwise."""
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-  if backend == "cpu" or (
-    backend == "auto" and cpu_fused.auto_applies(q, k, v, _platform(platform))
-  ):
+  if backend == "splash":
+    return "splash"  # the splash block functions raise if they cannot take the call
+  p = _platform(platform)
+  if backend == "cpu" or (backend == "auto" and cpu_fused.auto_applies(q, k, v, p)):
     return "cpu"
+  if backend == "auto" and p == "tpu":
+    why = splash.unsupported(q, k, v, positions_given=positions_given, layout=layout)
+    if not why:
+      return "splash"
+    _log_fallback("splash", why)
   return "blockwise"
 
 
@@ -201,6 +227,7 @@ def attention_block_forward(
   block_kv,
   backend="auto",
   platform=None,
+  layout=None,
 ):
   """Attention of q against one (e.g. visiting ring) K/V block, for merging.
 
@@ -210,12 +237,27 @@ def attention_block_forward(
   is 0). Merge two partials with lse = logaddexp(lse_a, lse_b),
   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse). Not differentiable
   by itself: use attention_block_backward in the caller's custom_vjp.
+  layout: as flash_attention's (which natural token indices the rows hold).
   """
-  fn = (
-    cpu_fused.cpu_block_forward
-    if _block_backend(q, k, v, backend, platform) == "cpu"
-    else blockwise_block_forward
-  )
+  positions_given = q_positions is not None or kv_positions is not None
+  kernel = _block_backend(q, k, v, backend, platform, layout, positions_given)
+  if kernel == "splash":
+    return splash.splash_block_forward(
+      q,
+      k,
+      v,
+      q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids,
+      causal=causal,
+      window_size=window_size,
+      softmax_scale=softmax_scale,
+      block_q=block_q,
+      block_kv=block_kv,
+      layout=layout,
+      positions_given=positions_given,
+      interpret=_platform(platform) != "tpu",
+    )
+  fn = cpu_fused.cpu_block_forward if kernel == "cpu" else blockwise_block_forward
   return fn(
     q,
     k,
@@ -251,6 +293,7 @@ def attention_block_backward(
   block_kv,
   backend="auto",
   platform=None,
+  layout=None,
 ):
   """FA2 backward of one K/V block against the GLOBAL (merged) out and lse.
 
@@ -259,11 +302,28 @@ def attention_block_backward(
   dk `[B, S, K, H]`, dv `[B, S, K, V]`), float32, this block's contributions
   (sum dq over blocks; dk/dv belong to this block).
   """
-  fn = (
-    cpu_fused.cpu_block_backward
-    if _block_backend(q, k, v, backend, platform) == "cpu"
-    else blockwise_block_backward
-  )
+  positions_given = q_positions is not None or kv_positions is not None
+  kernel = _block_backend(q, k, v, backend, platform, layout, positions_given)
+  if kernel == "splash":
+    return splash.splash_block_backward(
+      q,
+      k,
+      v,
+      out,
+      lse,
+      dout,
+      q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids,
+      causal=causal,
+      window_size=window_size,
+      softmax_scale=softmax_scale,
+      block_q=block_q,
+      block_kv=block_kv,
+      layout=layout,
+      positions_given=positions_given,
+      interpret=_platform(platform) != "tpu",
+    )
+  fn = cpu_fused.cpu_block_backward if kernel == "cpu" else blockwise_block_backward
   return fn(
     q,
     k,

@@ -221,7 +221,7 @@ def test_two_processes_match_one_process_across_a_preemption(reference, cache_di
   assert proc.returncode == 0, (out, logs[0][-3000:])
   stopped = max(_losses(workdir))
   assert stopped < 6, "the run finished before the preemption notice landed"
-  assert _steps(workdir) == [stopped]
+  assert _steps(workdir)[-1] == stopped  # (and step 3's periodic one when reached)
   assert len(logs) == 2
   for log in logs:
     assert f"Preempted: stopped at step {stopped} of 6" in log

@@ -209,8 +209,8 @@ def train_loop(
     skipped.add(step, metrics["skipped"])
     # Every process gets the same answer at the same step.
     preempted = preemption is not None and preemption.reached(step)
-    saving = checkpointer.should_save(step, final=last) or preempted
-    skipped.resolve(everything=saving or last or preempted)
+    # Skipped steps are counted (and may stop the run) before anything is saved.
+    skipped.resolve(everything=preempted or checkpointer.should_save(step, final=last))
     if profiler is not None:
       profiler.after_step(step, state)
     if step % cfg.log_every == 0 or last or preempted:

@@ -2,7 +2,9 @@
 mixtures and the copy task, on a tiny local corpus (fast)."""
 
 import collections
+import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -37,7 +39,6 @@ def corpus(tmp_path_factory):
     num_epochs=1,
     num_packing_bins=8,
     window_shuffle_size=4,
-    seq_len=S,
     copy_max_key_len=12,
   )
   return config, docs
@@ -93,7 +94,7 @@ def test_first_fit_loses_no_token_and_pads_only_at_row_ends(corpus, positions):
   config, _ = corpus
   config = DataConfig(**{**config.__dict__, "continuation_positions": positions})
   batches = _all_batches(
-    make_iterator(config, batch_size=1, seed=0, process_index=0, process_count=1)
+    make_iterator(config, seq_len=S, batch_size=1, seed=0, process_index=0, process_count=1)
   )
   for b in batches:
     for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask"):
@@ -119,7 +120,7 @@ def test_concat_split_keeps_every_token(corpus):
   config, _ = corpus
   config = DataConfig(**{**config.__dict__, "packing": "concat_split"})
   batches = _all_batches(
-    make_iterator(config, batch_size=1, seed=0, process_index=0, process_count=1)
+    make_iterator(config, seq_len=S, batch_size=1, seed=0, process_index=0, process_count=1)
   )
   real = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
   want = sum(len(w[0]) for w in _expected_windows(_train_docs(config)))
@@ -135,7 +136,9 @@ def test_positions_restart_or_continue(corpus):
   for mode in ("absolute", "restart"):
     cfg = DataConfig(**{**config.__dict__, "continuation_positions": mode})
     pieces = _pieces(
-      _all_batches(make_iterator(cfg, batch_size=2, seed=0, process_index=0, process_count=1))
+      _all_batches(
+        make_iterator(cfg, seq_len=S, batch_size=2, seed=0, process_index=0, process_count=1)
+      )
     )
     firsts = [int(p[2][0]) for p in pieces]
     for p in pieces:
@@ -151,7 +154,7 @@ def test_same_seed_same_batches_other_seed_differs(corpus):
   config = DataConfig(**{**config.__dict__, "num_epochs": None})
 
   def take(seed, n=4):
-    it = make_iterator(config, batch_size=2, seed=seed, process_index=0, process_count=1)
+    it = make_iterator(config, seq_len=S, batch_size=2, seed=seed, process_index=0, process_count=1)
     return [next(it) for _ in range(n)]
 
   a, b, c = take(0), take(0), take(7)
@@ -176,7 +179,7 @@ def test_resume_after_k_gives_identical_batches(corpus, packing, sources):
       "weights": (0.6, 0.4)[: len(sources)],
     }
   )
-  kwargs = dict(batch_size=2, seed=3, process_index=0, process_count=1)
+  kwargs = dict(batch_size=2, seq_len=S, seed=3, process_index=0, process_count=1)
   it = make_iterator(config, **kwargs)
   for _ in range(5):  # several passes over the 10 train docs: epochs roll over
     next(it)
@@ -195,7 +198,9 @@ def test_two_processes_disjoint_and_covering(corpus):
   seen = []
   for pi in range(2):
     pieces = _pieces(
-      _all_batches(make_iterator(config, batch_size=1, seed=0, process_index=pi, process_count=2))
+      _all_batches(
+        make_iterator(config, seq_len=S, batch_size=1, seed=0, process_index=pi, process_count=2)
+      )
     )
     tok = ByteTokenizer()
     seen.append({tok.decode(p[0][:7]) for p in pieces if p[2][0] == 0})
@@ -212,6 +217,7 @@ def test_invalid_utf8_flows_through_and_decodes(corpus):
     make_iterator(
       DataConfig(**{**config.__dict__, "validation_fraction": 0.0}),
       batch_size=1,
+      seq_len=S,
       seed=0,
       process_index=0,
       process_count=1,
@@ -222,9 +228,11 @@ def test_invalid_utf8_flows_through_and_decodes(corpus):
 
 
 def test_copy_task_only_source_and_loss_mask():
-  config = DataConfig(sources=("copy",), seq_len=256, window_shuffle_size=1)
+  config = DataConfig(sources=("copy",), window_shuffle_size=1)
   tok = ByteTokenizer()
-  b = next(make_iterator(config, batch_size=4, seed=0, process_index=0, process_count=1))
+  b = next(
+    make_iterator(config, batch_size=4, seq_len=256, seed=0, process_index=0, process_count=1)
+  )
   assert b["inputs"].shape == (4, 256)
   checked = 0
   for r in range(4):
@@ -239,7 +247,13 @@ def test_copy_task_only_source_and_loss_mask():
   assert checked >= 4
   val = next(
     make_iterator(
-      config, split="validation", batch_size=4, seed=0, process_index=0, process_count=1
+      config,
+      seq_len=256,
+      split="validation",
+      batch_size=4,
+      seed=0,
+      process_index=0,
+      process_count=1,
     )
   )
   assert not np.array_equal(val["inputs"], b["inputs"])  # held-out keys differ
@@ -249,10 +263,8 @@ def test_synthetic_length_ramp_caps_early_documents():
   """The curriculum: document i is at most start + (seq_len - start) * i / n tokens."""
 
   def segment_lengths(**ramp):
-    config = DataConfig(
-      sources=("copy",), seq_len=256, window_shuffle_size=1, num_packing_bins=1, **ramp
-    )
-    it = make_iterator(config, batch_size=4, seed=0, process_index=0, process_count=1)
+    config = DataConfig(sources=("copy",), window_shuffle_size=1, num_packing_bins=1, **ramp)
+    it = make_iterator(config, batch_size=4, seq_len=256, seed=0, process_index=0, process_count=1)
     lengths = []
     for _ in range(6):
       for row in next(it)["segment_ids"]:
@@ -271,6 +283,7 @@ def test_synthetic_length_ramp_caps_early_documents():
       DataConfig(sources=("copy",), synthetic_ramp_documents=10, synthetic_ramp_start=64),
       batch_size=1,
       seq_len=128,
+      seed=0,
       process_index=0,
       process_count=1,
     )
@@ -282,18 +295,33 @@ def test_mixture_weights_and_batch_transform(corpus):
     **{**config.__dict__, "num_epochs": None, "sources": ("text", "copy"), "weights": (1.0, 3.0)}
   )
   flip = lambda batch: {k: v[:, ::-1] for k, v in batch.items()}  # noqa: E731
-  plain = make_iterator(config, batch_size=4, seed=0, process_index=0, process_count=1)
+  plain = make_iterator(config, seq_len=S, batch_size=4, seed=0, process_index=0, process_count=1)
   flipped = make_iterator(
-    config, batch_size=4, seed=0, process_index=0, process_count=1, batch_transform=flip
+    config, seq_len=S, batch_size=4, seed=0, process_index=0, process_count=1, batch_transform=flip
   )
-  copies = total = 0
   for _ in range(5):
     a, b = next(plain), next(flipped)
     np.testing.assert_array_equal(a["inputs"][:, ::-1], b["inputs"])
-    pieces = _pieces([a])
-    copies += sum(1 for p in pieces if bytes((p[0][1:6] - 3).astype(np.uint8)) == b"key: ")
-    total += len(pieces)
-  assert 0 < copies < total
+
+  def copy_share(weights):
+    # Fraction of document starts that are copy-task documents ("key: ...").
+    it = make_iterator(
+      dataclasses.replace(config, weights=weights),
+      seq_len=S,
+      batch_size=4,
+      seed=0,
+      process_index=0,
+      process_count=1,
+    )
+    starts = [p for p in _pieces([next(it) for _ in range(10)]) if p[2][0] == 0]
+    copies = sum(1 for p in starts if bytes((p[0][1:6] - 3).astype(np.uint8)) == b"key: ")
+    return copies / len(starts)
+
+  # Weights are document-sampling probabilities: 3:1 for copy must give far more
+  # copy documents than 1:3 (short copy documents fill rows faster than cut text,
+  # so both shares lean to copy: measured 0.89 and 0.48 here).
+  more, fewer = copy_share((1.0, 3.0)), copy_share((3.0, 1.0))
+  assert more - fewer > 0.25, (more, fewer)
 
 
 def test_config_errors_are_clear():
@@ -307,20 +335,37 @@ def test_config_errors_are_clear():
     ValueError, match="copy task needs seq_len >= 79 for copy_max_key_len=32; got seq_len=64"
   ):
     make_iterator(
-      DataConfig(sources=("copy",)), batch_size=1, seq_len=64, process_index=0, process_count=1
+      DataConfig(sources=("copy",)),
+      batch_size=1,
+      seq_len=64,
+      seed=0,
+      process_index=0,
+      process_count=1,
     )
   with pytest.raises(ValueError, match="process_index=2"):
     make_iterator(
-      DataConfig(sources=("copy",)), batch_size=1, seq_len=128, process_index=2, process_count=2
+      DataConfig(sources=("copy",)),
+      batch_size=1,
+      seq_len=128,
+      seed=0,
+      process_index=2,
+      process_count=2,
     )
 
 
 def test_inspect_data_report(corpus):
   config, _ = corpus
   config = DataConfig(**{**config.__dict__, "num_epochs": None})
-  report = inspect_data(config, num_batches=2, batch_size=2, seq_len=S)
+  report = inspect_data(config, batch_size=16, seq_len=S)
   fill = [l for l in report.splitlines() if l.startswith("fill_ratio: ")]
-  assert len(fill) == 1 and 0.5 < float(fill[0].split()[1]) <= 1.0
+  assert len(fill) == 1
+  ratio, half_width = float(fill[0].split()[1]), float(fill[0].split()[2][3:-1])
+  n = int(re.search(r"batches: (\d+) x", report).group(1))
+  # Read until the ratio is known to +-0.005 (95%), and it is the ratio of those batches.
+  assert half_width <= 0.005 and n >= 16
+  it = make_iterator(config, seq_len=S, batch_size=16, seed=0, process_index=0, process_count=1)
+  want = np.mean([(next(it)["segment_ids"] > 0).mean() for _ in range(n)])
+  assert abs(ratio - want) < 1e-4
   assert "documents_per_row" in report and "‖[seg 1 @pos" in report
   assert "document_length[text]" in report
 

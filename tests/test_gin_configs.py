@@ -7,11 +7,13 @@ without allocating the model.
 """
 
 import glob
+import json
+import math
 import os
 
+import gin
 import pytest
 
-import gin
 from lctx import configs, gin_utils
 from lctx import train as train_lib
 from lctx.parallel import mesh as mesh_lib
@@ -105,7 +107,16 @@ def test_local_config_trains_one_step(path, tmp_path):
     model=exp.model, data=exp.data, train=exp.train, mesh=exp.mesh, evals=None
   )
   train_lib.run("train", str(tmp_path), exp)
-  assert os.path.exists(tmp_path / "metrics.jsonl")
+  with open(tmp_path / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  train = [r for r in records if "loss" in r]
+  assert [r["step"] for r in train] == [1]
+  # One step from initialisation: the loss of a near-uniform prediction over the
+  # vocabulary, and a real throughput figure for the strategy the file names.
+  assert abs(train[0]["loss"] - math.log(exp.model.vocab_size)) < 1.0, train[0]
+  assert math.isfinite(train[0]["grad_norm"]) and train[0]["grad_norm"] > 0
+  assert train[0]["tokens_per_sec"] > 0 and train[0]["learning_rate"] >= 0
+  assert os.path.isdir(tmp_path / "checkpoints")
 
 
 def test_model_size_files_are_the_published_sizes():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from lctx.data import pipeline
@@ -54,21 +52,50 @@ def document_lengths(
   return out
 
 
+FILL_HALF_WIDTH = 0.005  # the 95% interval of the reported fill_ratio: +-0.005
+MIN_BATCHES, MAX_BATCHES = 16, 1000
+
+
+def read_until_stable(
+  it,
+  *,
+  half_width: float = FILL_HALF_WIDTH,
+  min_batches: int = MIN_BATCHES,
+  max_batches: int = MAX_BATCHES,
+) -> tuple[list[dict], float]:
+  """Reads batches until the mean fill ratio's 95% interval (1.96 x the standard
+  error over batches) is within +-half_width, at least min_batches, at most
+  max_batches (a finite dataset may end sooner). Returns (batches, half width)."""
+  batches, fills = [], []
+  for b in it:
+    batches.append(b)
+    fills.append(float((b["segment_ids"] > 0).mean()))
+    n = len(fills)
+    hw = 1.96 * float(np.std(fills, ddof=1)) / np.sqrt(n) if n > 1 else float("inf")
+    if (n >= min_batches and hw <= half_width) or n >= max_batches:
+      break
+  return batches, hw
+
+
 def inspect_data(
   config: pipeline.DataConfig,
   *,
-  num_batches: int = 3,
+  num_batches: int | None = None,
   batch_size: int,
   seq_len: int,
-  seed: int | None = None,
+  seed: int = 0,
   split: str = "train",
   show_tokens: int = 300,
 ) -> str:
-  """Reads num_batches batches and returns a multi-line report, including
-  `fill_ratio: <x>` (non-pad tokens / all tokens), documents per row, the
+  """Reads batches and returns a multi-line report, including `fill_ratio: <x>`
+  (non-pad tokens / all tokens, with its 95% interval), documents per row, the
   lengths of document pieces in rows and of whole documents, and the decoded
-  start of row 0 with '‖[seg s @pos p]' at each segment boundary."""
-  config = dataclasses.replace(config, seq_len=seq_len)
+  start of row 0 with '‖[seg s @pos p]' at each segment boundary.
+
+  num_batches: read exactly this many; None reads until fill_ratio is known to
+  +-0.005 (95%), see read_until_stable (one batch's fill varies by ~0.02 on the
+  default corpus, so that takes ~80 batches of 8 rows).
+  """
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
   it = pipeline.make_iterator(
     config,
@@ -79,7 +106,15 @@ def inspect_data(
     process_index=0,
     process_count=1,
   )
-  batches = [next(it) for _ in range(num_batches)]
+  if num_batches is None:
+    batches, half_width = read_until_stable(it)
+  else:
+    batches = [next(it) for _ in range(num_batches)]
+    fills = [float((b["segment_ids"] > 0).mean()) for b in batches]
+    half_width = (
+      1.96 * float(np.std(fills, ddof=1)) / np.sqrt(len(fills)) if len(fills) > 1 else float("nan")
+    )
+  num_batches = len(batches)
   seg = np.concatenate([b["segment_ids"] for b in batches])  # [rows, S]
   pos = np.concatenate([b["positions"] for b in batches])
   mask = np.concatenate([b["loss_mask"] for b in batches])
@@ -91,7 +126,7 @@ def inspect_data(
     f"tokenizer: {config.tokenizer} (vocab {tokenizer.vocab_size})  "
     f"positions: {config.continuation_positions}",
     f"batches: {num_batches} x [{batch_size}, {seq_len}] = {seg.size} tokens",
-    f"fill_ratio: {float((seg > 0).mean()):.4f}",
+    f"fill_ratio: {float((seg > 0).mean()):.4f} (+-{half_width:.4f}, 95% over batches)",
     f"loss_mask_ratio: {float(mask.mean()):.4f}",
     f"documents_per_row: {_percentiles([len(r) for r in rows])}",
     f"pieces_in_rows_length: {_percentiles(pieces)}",

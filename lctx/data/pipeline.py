@@ -77,8 +77,6 @@ class DataConfig:
   tokenizer: str = "byte"
   """'byte' (vocab 259) or 'sentencepiece' (needs tokenizer_model_path)."""
   tokenizer_model_path: str | None = None
-  seq_len: int = 1024
-  """Row length; make_iterator(seq_len=...) overrides it."""
   packing: str = "first_fit"
   """'first_fit': whole windows into rows, pad at row ends; 'concat_split':
   no padding, documents cut at row boundaries."""
@@ -95,8 +93,6 @@ class DataConfig:
   positions (k*seq_len + i); 'restart' starts them at 0."""
   add_bos: bool = True
   add_eos: bool = True
-  shuffle_seed: int = 0
-  """Default seed; make_iterator(seed=...) overrides it."""
   num_epochs: int | None = None
   """None = repeat forever (training); 1 = one pass (evaluation)."""
   copy_min_key_len: int = 8
@@ -283,15 +279,13 @@ def make_dataset(
   *,
   split: str = "train",
   batch_size: int,
-  seq_len: int | None = None,
-  seed: int | None = None,
+  seq_len: int,
+  seed: int,
   process_index: int | None = None,
   process_count: int | None = None,
   batch_transform: Callable[[dict], dict] | None = None,
 ) -> grain.IterDataset:
   """The grain IterDataset behind make_iterator (same arguments)."""
-  seq_len = config.seq_len if seq_len is None else seq_len
-  seed = config.shuffle_seed if seed is None else seed
   if process_index is None or process_count is None:
     import jax  # pylint: disable=g-import-not-at-top  (only when not given)
 
@@ -355,8 +349,8 @@ def make_iterator(
   *,
   split: str = "train",
   batch_size: int,
-  seq_len: int | None = None,
-  seed: int | None = None,
+  seq_len: int,
+  seed: int,
   process_index: int | None = None,
   process_count: int | None = None,
   batch_transform: Callable[[dict], dict] | None = None,
@@ -365,7 +359,8 @@ def make_iterator(
   inputs, targets, segment_ids, positions int32; loss_mask float32.
 
   split: 'train' | 'validation' (or any split the tfds dataset has).
-  seq_len / seed: default to config.seq_len / config.shuffle_seed.
+  seq_len: tokens per row (the run's TrainConfig.seq_len); seed: shuffling and
+    mixing seed (the run's TrainConfig.seed).
   process_index / process_count: this host's shard; default jax.process_index()
     / jax.process_count(). Hosts read disjoint documents.
   batch_transform: applied last to every batch (e.g. the context-parallel

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lctx.kernels.masking import MASKED_LSE, check_shapes, default_scale, normalize_mask_args
+from lctx.kernels.shard_typing import cotangent_like, varying_like
 
 LANES = 128
 MAX_BLOCK = 1024
@@ -331,6 +332,33 @@ def _q_natural(cfg: _Cfg, q_start, t: int):
   return cfg.order.natural(jnp.asarray(q_start, jnp.int32) + jnp.arange(t, dtype=jnp.int32))
 
 
+def _outside_vma_check(call, args, refs):
+  """Runs a library kernel call where shard_map's varying-axes check is off.
+
+  The library's pallas_call out shapes carry no varying axes, which a
+  `check_vma=True` shard_map refuses (at trace and, interpreted, at lowering
+  time). Inside a shard_map the call goes through a nested shard_map over no
+  new axes with check_vma=False, and its outputs are typed as varying over the
+  axes of its inputs (refs), which is what they are. Outside: call(*args).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set() if mesh.empty else set(mesh.manual_axes)
+  if not manual:
+    return call(*args)
+  spec = jax.sharding.PartitionSpec()
+
+  def untyped(*xs):
+    # Traced with the check off, an add drops the inputs' varying axes: the
+    # interpreted kernel's loop carries then type-check too.
+    return call(*(jax.lax.add(x, jax.lax.full_like(x, 0)) for x in xs))
+
+  inner = jax.shard_map(
+    untyped, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(), check_vma=False
+  )
+  out = inner(*args)
+  return jax.tree.map(lambda x: varying_like(x, *refs), out)
+
+
 def _forward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq):
   """One kv run: the kernel's forward with residuals, vmapped over the batch."""
   sk = _sk()
@@ -358,11 +386,12 @@ def _forward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq):
     )
 
   if q_seg is None:
-    o, (lse,) = jax.vmap(lambda a, b, c: one(a, b, c, None))(q, k, v)
+    call = jax.vmap(lambda a, b, c: one(a, b, c, None))
+    args = (q, k, v)
   else:
-    o, (lse,) = jax.vmap(lambda a, b, c, d, e: one(a, b, c, _segment_ids(d, e)))(
-      q, k, v, q_seg, kv_seg
-    )
+    call = jax.vmap(lambda a, b, c, d, e: one(a, b, c, _segment_ids(d, e)))
+    args = (q, k, v, q_seg, kv_seg)
+  o, (lse,) = _outside_vma_check(call, args, (*args, qseq))
   seen = lse > _VALID_LSE
   o = jnp.where(seen[..., None], o.astype(jnp.float32), 0.0)
   return o, jnp.where(seen, lse, MASKED_LSE)
@@ -420,11 +449,12 @@ def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
     return dq, dk, dv
 
   if q_seg is None:
-    g = jax.vmap(lambda *a: one(*a, None))(q, k, v, lse, do, di)
+    call = jax.vmap(lambda *a: one(*a, None))
+    args = (q, k, v, lse, do, di)
   else:
-    g = jax.vmap(lambda a, b, c, d, e, f, qs, ks: one(a, b, c, d, e, f, _segment_ids(qs, ks)))(
-      q, k, v, lse, do, di, q_seg, kv_seg
-    )
+    call = jax.vmap(lambda a, b, c, d, e, f, qs, ks: one(a, b, c, d, e, f, _segment_ids(qs, ks)))
+    args = (q, k, v, lse, do, di, q_seg, kv_seg)
+  g = _outside_vma_check(call, args, (*args, qseq))
   return tuple(x.astype(jnp.float32) for x in g)
 
 
@@ -523,9 +553,12 @@ def _attention_bwd(cfg, res, cts):
   dq, dk, dv = _backward(
     cfg, qh, kh, vh, q_seg, kv_seg, q_start, kv_start, out, lse, dout.transpose(0, 2, 1, 3), dlse
   )
-  dq = (dq * cfg.scale).transpose(0, 2, 1, 3).astype(q.dtype)
-  dk = dk.transpose(0, 2, 1, 3).astype(k.dtype)
-  dv = dv.transpose(0, 2, 1, 3).astype(v.dtype)
+  # Typed like their primals inside shard_map (e.g. K/V replicated over tensor
+  # for MQA while q is sharded there: summed over it).
+  refs = (q, k, v, dout)
+  dq = cotangent_like((dq * cfg.scale).transpose(0, 2, 1, 3), q, *refs).astype(q.dtype)
+  dk = cotangent_like(dk.transpose(0, 2, 1, 3), k, *refs).astype(k.dtype)
+  dv = cotangent_like(dv.transpose(0, 2, 1, 3), v, *refs).astype(v.dtype)
   return dq, dk, dv, None, None, None, None
 
 

@@ -21,6 +21,11 @@ def all_gather_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_names
     k, v, kv_seg, kv_pos = (
       jax.lax.all_gather(x, axis_names, axis=1, tiled=True) for x in (k, v, seg, pos)
     )
+    q_start = jax.lax.axis_index(axis_names) * q.shape[1]  # this shard of the sequence
   else:
     kv_seg, kv_pos = seg, pos
-  return block_ops.attend(q, k, v, q_seg=seg, kv_seg=kv_seg, q_pos=pos, kv_pos=kv_pos, cfg=cfg)
+    q_start = 0
+  layout = block_ops.token_layout(cfg, k.shape[1], q_start, 0)
+  return block_ops.attend(
+    q, k, v, q_seg=seg, kv_seg=kv_seg, q_pos=pos, kv_pos=kv_pos, cfg=cfg, layout=layout
+  )

@@ -8,6 +8,10 @@
   the kernel the same way flash_attention does).
 - `maybe_visible`: conservative run-time test that a block pair has any visible
   (query, key) pair, used to skip fully masked ring steps.
+- `token_layout`: where a call's rows sit in natural token order
+  (`lctx.kernels.splash.Layout`), built by the strategies from
+  `AttnConfig.token_order`; kernels that mask on the natural index (splash) need
+  it to take explicit positions, the others ignore it.
 
 Shapes: q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, V]`, ids/positions `[B, T]`
 / `[B, S]` int32, lse `[B, N, T]` float32.
@@ -50,6 +54,12 @@ class AttnConfig:
   split_above: int = 4096
   piece_tokens: int = 2048
   max_sub_chunks: int = 8
+  # The order of the global sequence the strategies shard, when the batch is known
+  # to follow it (positions count up by one along the natural order inside every
+  # segment, as the data pipeline makes them): 0 = natural order, P = zigzag over
+  # ring size P (lctx.parallel.zigzag). None: unknown, so kernels that mask on the
+  # natural token index (splash) do not apply and blockwise runs instead.
+  token_order: int | None = None
 
   def scale(self, head_dim: int) -> float:
     return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)
@@ -68,7 +78,17 @@ def ring_sub_chunks(cfg: AttnConfig, length: int) -> int:
   return c
 
 
-def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
+def token_layout(cfg: AttnConfig, length: int, q_start, kv_start):
+  """The kernels' Layout of a call whose q rows are global array indices
+  q_start + [0, T) and kv rows kv_start + [0, S) of the `length`-token sequence
+  (starts may be traced); None when cfg.token_order is None."""
+  if cfg.token_order is None:
+    return None
+  order = kernels.splash.TokenOrder(int(length), int(cfg.token_order))
+  return kernels.splash.Layout(order, q_start, kv_start)
+
+
+def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, layout=None):
   """Differentiable attention of q against k/v; out `[B, T, N, V]`."""
   return kernels.flash_attention(
     q,
@@ -86,10 +106,11 @@ def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
     block_q_bwd=cfg.block_q_bwd,
     block_kv_bwd=cfg.block_kv_bwd,
     platform=cfg.platform,
+    layout=layout,
   )
 
 
-def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
+def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, layout=None):
   """One block step: (out `[B, T, N, V]` f32 normalised within the block, lse `[B, N, T]`)."""
   out, lse = kernels.attention_block_forward(
     q,
@@ -106,11 +127,14 @@ def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
     block_kv=cfg.block_kv,
     backend=cfg.backend,
     platform=cfg.platform,
+    layout=layout,
   )
   return out.astype(jnp.float32), lse.astype(jnp.float32)
 
 
-def block_backward(q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig):
+def block_backward(
+  q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, layout=None
+):
   """FA2 backward of one block against the GLOBAL out/lse; (dq, dk, dv) in float32."""
   dq, dk, dv = kernels.attention_block_backward(
     q,
@@ -130,6 +154,7 @@ def block_backward(q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos, cfg
     block_kv=cfg.block_kv,
     backend=cfg.backend,
     platform=cfg.platform,
+    layout=layout,
   )
   return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 

@@ -138,7 +138,11 @@ def make_attention_fn(
 
   The batch it sees must already be in the order the pipeline produced (zigzag
   when load balancing); positions carry the true positions, so masks are right in
-  either order. `load_balance` only feeds validation (None: not checked).
+  either order. `load_balance` feeds validation (None: not checked) and tells the
+  kernels the batch's token order (zigzag or natural; None: unknown), so that
+  splash, which masks on the natural token index, can take the calls: it relies
+  on positions counting up by one along the natural order inside every segment,
+  as the data pipeline makes them (other positions: kernel_backend='blockwise').
   `platform`: what the kernels' 'auto' picks for (None: the mesh devices').
   Validation runs at trace time, before anything compiles.
   """
@@ -171,6 +175,9 @@ def make_attention_fn(
       block_q_bwd=block_q_bwd,
       block_kv_bwd=block_kv_bwd,
       platform=platform,
+      token_order=None
+      if load_balance is None
+      else (zigzag_ring_size(mesh_shape(mesh)) if load_balance else 0),
     )
     return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
 
@@ -198,7 +205,8 @@ def context_attention(
 
   Args:
     q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]`; segment_ids `[B, T]` (0 =
-    padding; None: one segment); positions `[B, T]` (None: arange).
+    padding; None: one segment); positions `[B, T]` (None: arange), counting up
+    by one inside every segment (the pipeline's; splash masks on that order).
     strategy: 'all_gather' | 'ulysses' | 'ring' | 'usp' | 'auto'.
     load_balance: zigzag-reorder with ring size = context before, and undo it
       after (the training path instead gets pre-reordered batches).

@@ -2,7 +2,9 @@
 
 Runs INSIDE `jax.shard_map` on local shards. Each of P devices holds one sequence
 chunk (in whatever order the batch is in: natural or zigzag; masks come from the
-carried positions and segment ids, never from indices). Forward: a scan over P
+carried positions and segment ids, never from indices; kernels that mask on the
+natural token index (splash) get each call's token layout instead: this device's
+chunk, the visiting chunk of device (r - hop) mod P, the pieces' offsets). Forward: a scan over P
 hops; at every hop the next K/V (+ ids, positions) ppermute is issued before this
 hop's compute so XLA can overlap them; partial results merge through their lse.
 A hop whose visiting keys are all masked for these queries (run-time min/max of
@@ -49,7 +51,20 @@ def _pairs(c, body, carry):
   return jax.lax.fori_loop(0, c * c, lambda p, cr: body(p // c, p % c, cr), carry)
 
 
-def _hop_forward(q, seg, pos, kv, acc, c, cfg):
+def _starts(axis, size, t, hop):
+  """Global array starts of this device's q chunk and of the K/V block visiting at
+  `hop` (it comes from device (r - hop) mod P), for the kernels' token layout."""
+  r = jax.lax.axis_index(axis)
+  return r * t, ((r - hop) % size) * t
+
+
+def _layout(cfg, size, q, starts, i, j, s):
+  """Token layout of the (q piece i, kv piece j) call (None: no static order)."""
+  q0, k0 = starts
+  return block_ops.token_layout(cfg, q.shape[1] * size, q0 + i * s, k0 + j * s)
+
+
+def _hop_forward(q, seg, pos, kv, acc, c, cfg, size, starts):
   """Merges one visiting K/V block into the (o, lse) accumulators, piece pair by
   piece pair; a pair whose keys are all masked for its queries is skipped."""
   k, v, ks, kp = kv
@@ -61,8 +76,9 @@ def _hop_forward(q, seg, pos, kv, acc, c, cfg):
     kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
 
     def run(oi, li):
+      layout = _layout(cfg, size, q, starts, i, j, s)
       ob, lb = block_ops.block_forward(
-        qi, kj, vj, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg
+        qi, kj, vj, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg, layout=layout
       )
       return block_ops.merge(oi, li, ob, lb)
 
@@ -84,15 +100,16 @@ def _ring_forward(cfg, axis, size, q, k, v, seg, pos):
   acc = (varying_like(o0, q, k, v), varying_like(l0, q, k, v))
   perm = [(i, (i + 1) % size) for i in range(size)]
 
-  def step(carry, _):
+  def step(carry, hop):
     acc, kv = carry
     kv_next = tuple(jax.lax.ppermute(x, axis, perm) for x in kv)  # before compute
-    return (_hop_forward(q, seg, pos, kv, acc, c, cfg), kv_next), None
+    starts = _starts(axis, size, t, hop)
+    return (_hop_forward(q, seg, pos, kv, acc, c, cfg, size, starts), kv_next), None
 
   kv = (k, v, seg, pos)
   if size > 1:
-    (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=size - 1)
-  o, lse = _hop_forward(q, seg, pos, kv, acc, c, cfg)
+    (acc, kv), _ = jax.lax.scan(step, (acc, kv), jnp.arange(size - 1))
+  o, lse = _hop_forward(q, seg, pos, kv, acc, c, cfg, size, _starts(axis, size, t, size - 1))
   return o.astype(q.dtype), lse
 
 
@@ -106,7 +123,7 @@ def _ring_fwd(cfg, axis, size, q, k, v, seg, pos):
   return out, (q, k, v, seg, pos, out, lse)
 
 
-def _hop_backward(res, kv, dkv, dq, c, cfg):
+def _hop_backward(res, kv, dkv, dq, c, cfg, size, starts):
   """Adds one visiting block's contributions to dq (local) and dk/dv (travelling)."""
   q, seg, pos, out, lse, dout = res
   k, v, ks, kp = kv
@@ -119,8 +136,20 @@ def _hop_backward(res, kv, dkv, dq, c, cfg):
     kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
 
     def run(dqi, dkj, dvj):
+      layout = _layout(cfg, size, q, starts, i, j, s)
       a, b_, c_ = block_ops.block_backward(
-        qi, kj, vj, oi, li, doi, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg
+        qi,
+        kj,
+        vj,
+        oi,
+        li,
+        doi,
+        q_seg=qsi,
+        kv_seg=ksj,
+        q_pos=qpi,
+        kv_pos=kpj,
+        cfg=cfg,
+        layout=layout,
       )
       return dqi + a, dkj + b_, dvj + c_
 
@@ -148,16 +177,18 @@ def _ring_bwd(cfg, axis, size, res, dout):
   def send(xs):
     return tuple(jax.lax.ppermute(x, axis, perm) for x in xs)
 
-  def step(carry, _):
+  t = q.shape[1]
+
+  def step(carry, hop):
     dq, kv, dkv = carry
     kv_next = send(kv)  # issued before this hop's compute
-    dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg)
+    dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg, size, _starts(axis, size, t, hop))
     return (dq, kv_next, send(dkv)), None
 
   kv = (k, v, seg, pos)
   if size > 1:
-    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), length=size - 1)
-  dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg)
+    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), jnp.arange(size - 1))
+  dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg, size, _starts(axis, size, t, size - 1))
   if size > 1:
     dkv = send(dkv)  # the last hop's block belongs to the next device
   # Typed like their primals (K/V replicated over tensor for MQA: summed there).

@@ -37,7 +37,10 @@ def ulysses_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: st
   """Local q `[B, T/A, n, H]` ... -> out `[B, T/A, n, V]`."""
   q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
   seg, pos = _gather_tokens(seg, axis_name), _gather_tokens(pos, axis_name)
-  out = block_ops.attend(q, k, v, q_seg=seg, kv_seg=seg, q_pos=pos, kv_pos=pos, cfg=cfg)
+  layout = block_ops.token_layout(cfg, q.shape[1], 0, 0)  # the whole sequence
+  out = block_ops.attend(
+    q, k, v, q_seg=seg, kv_seg=seg, q_pos=pos, kv_pos=pos, cfg=cfg, layout=layout
+  )
   return _to_seq(out, axis_name)
 
 

@@ -363,10 +363,10 @@ def test_offload_policy_moves_layer_inputs_to_host(scan):
   assert "<host>" not in jaxpr
 
 
-def test_llama3_8b_preset_shapes_without_memory():
-  from lctx.models import llama3_8b
+def test_llama3_8b_gin_shapes_without_memory():
+  from lctx import configs
 
-  config = llama3_8b(dtype="bfloat16")
+  config = configs.model_config("llama3_8b", dtype="bfloat16")
   inputs = jax.ShapeDtypeStruct((1, 16), jnp.int32)
   model = Transformer(config)
   shapes = jax.eval_shape(model.init, jax.random.key(0), inputs, inputs, inputs)

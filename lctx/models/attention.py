@@ -16,7 +16,9 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from lctx import kernels
 from lctx.models.config import ModelConfig
 from lctx.models.layers import RMSNorm, apply_rope, constrain, fan_in_init, param
 
@@ -31,30 +33,29 @@ def reference_attention_fn(
   Args:
     q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]` (N % K == 0: query head n
     reads kv head n // G). segment_ids, positions int32 `[B, T]` (0 = padding).
-    A query at position p sees keys of its own (non-zero) segment at positions
-    <= p (causal) and > p - window_size (window).
+    The mask is `lctx.kernels.masking.visible`, the one rule every kernel applies.
   Returns: `[B, T, N, V]` in q.dtype; rows that see no key are 0.
   """
-  b, t, n, h = q.shape
-  kh = k.shape[2]
-  g = n // kh
-  scale = h**-0.5 if softmax_scale is None else softmax_scale
-  qp, kp = positions[:, :, None], positions[:, None, :]  # [B, T, 1], [B, 1, S]
-  vis = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] != 0)
-  if causal:
-    vis &= kp <= qp
-  if window_size is not None:
-    vis &= kp > qp - window_size
-    if not causal:
-      vis &= kp < qp + window_size
-  qg = q.reshape(b, t, kh, g, h).astype(jnp.float32)  # [B, T, K, G, H]
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * scale
-  scores = jnp.where(vis[:, None, None], scores, -jnp.inf)
-  has_key = jnp.any(vis, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
-  probs = jax.nn.softmax(jnp.where(has_key, scores, 0.0), axis=-1)
-  probs = jnp.where(has_key, probs, 0.0)
-  out = jnp.einsum("BKGTS,BSKV->BTKGV", probs, v.astype(jnp.float32))
-  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+  return kernels.reference_attention(
+    q,
+    k,
+    v,
+    segment_ids=segment_ids,
+    q_positions=positions,
+    kv_positions=positions,
+    causal=causal,
+    window_size=window_size,
+    softmax_scale=softmax_scale,
+  )
+
+
+def _tag_qkv(q, k, v):
+  """Remat tags (lctx.models.config.REMAT_TAGS) on what attention consumes."""
+  return (
+    checkpoint_name(q, "query_proj"),
+    checkpoint_name(k, "key_proj"),
+    checkpoint_name(v, "value_proj"),
+  )
 
 
 _Q_NAMES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -86,6 +87,7 @@ class GQAAttention(nn.Module):
     q = constrain(apply_rope(q, positions, c.rope_theta), _Q_NAMES)
     k = constrain(apply_rope(k, positions, c.rope_theta), _KV_NAMES)
     v = constrain(v, _KV_NAMES)
+    q, k, v = _tag_qkv(q, k, v)
     out = self.attention_fn(
       q,
       k,
@@ -96,8 +98,8 @@ class GQAAttention(nn.Module):
       window_size=self.window_size,
       softmax_scale=None,
     )
-    out = constrain(out, _Q_NAMES)  # [B, T, N, H]
-    return jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype))
+    out = checkpoint_name(constrain(out, _Q_NAMES), "attention_out")  # [B, T, N, H]
+    return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
 
 
 class MLAAttention(nn.Module):
@@ -159,6 +161,7 @@ class MLAAttention(nn.Module):
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + (r,))], -1)
     q, k = constrain(q, _Q_NAMES), constrain(k, _Q_NAMES)
     v = constrain(v, _Q_NAMES)
+    q, k, v = _tag_qkv(q, k, v)
     out = self.attention_fn(
       q,
       k,
@@ -169,5 +172,5 @@ class MLAAttention(nn.Module):
       window_size=self.window_size,
       softmax_scale=(nope + r) ** -0.5,
     )
-    out = constrain(out, _Q_NAMES)  # [B, T, N, V]
-    return jnp.einsum("BTNV,NVD->BTD", out, wo.astype(cd))
+    out = checkpoint_name(constrain(out, _Q_NAMES), "attention_out")  # [B, T, N, V]
+    return checkpoint_name(jnp.einsum("BTNV,NVD->BTD", out, wo.astype(cd)), "out_proj")

@@ -252,6 +252,10 @@ class PreemptionWatch:
 
 
 def _preemption_service_running() -> bool:
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  """Whether jax.distributed started its preemption sync service (jax's own state)."""
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
 
-  return distributed.global_state.preemption_sync_manager is not None
+    return distributed.global_state.preemption_sync_manager is not None
+  except (ImportError, AttributeError):  # moved in a later jax: the signal-flag fallback
+    return False

@@ -346,6 +346,32 @@ def test_a_truncated_latest_checkpoint_is_skipped_with_a_warning(
   assert len(os.listdir(os.path.join(workdir, "checkpoints.corrupt"))) == 1
 
 
+@pytest.mark.slow
+def test_two_processes_agree_to_skip_a_corrupt_checkpoint(reference, cache_dir, tmp_path):
+  workdir = str(tmp_path / "two")
+  proc = _launch(2, workdir, cache_dir)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, (out, _logs(workdir)[0][-3000:])
+  assert _steps(workdir) == [3, 6]
+  # Damage only what process 1 wrote of step 6.
+  files = glob.glob(os.path.join(workdir, "checkpoints", "6", "state", "ocdbt.process_1", "d", "*"))
+  largest = max(files, key=os.path.getsize)
+  with open(largest, "r+b") as f:
+    f.truncate(os.path.getsize(largest) // 2)
+  os.remove(os.path.join(workdir, "metrics.jsonl"))
+  proc = _launch(2, workdir, cache_dir)
+  out, _ = proc.communicate(timeout=300)
+  logs = _logs(workdir)
+  assert proc.returncode == 0, (out, logs[0][-3000:])
+  for log in logs:
+    assert "Checkpoint step 6 in" in log and "is corrupt" in log
+    assert "Resumed from step 3" in log
+  losses, expected = _losses(workdir), _losses(reference)
+  np.testing.assert_allclose(
+    [losses[s] for s in (4, 5, 6)], [expected[s] for s in (4, 5, 6)], rtol=0, atol=1e-5
+  )
+
+
 def test_a_missing_state_directory_is_corrupt_too(reference, tmp_path):
   workdir = str(tmp_path)
   shutil.copytree(os.path.join(reference, "checkpoints"), os.path.join(workdir, "checkpoints"))

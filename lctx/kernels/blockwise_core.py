@@ -2,7 +2,8 @@
 
 Layout (the thing that decides speed on XLA CPU): head-major blocks with the GQA
 group folded into the query rows, so one block step is a K-batched matmul of
-`[G*bq, H] x [H, bk]`. K/V are never repeated across the group.
+`[G*bq, H] x [H, bk]`. K/V are never repeated across the group. Einsum letters
+(docs/contracts.md): X the G*bq rows of a query block, Y the bk keys of a KV block.
 
     q  [B, T, N, H] -> qb [B, nq, K, G*bq, H]     (rows ordered (g, t))
     k  [B, S, K, H] -> kb [B, nk, K, bk, H]
@@ -73,7 +74,7 @@ def _elem_mask(cfg: Cfg, qp, qs, kp, ks):
 
 def _scores(q_i, k_j):
   # [K, G*bq, H] x [K, bk, H] -> [K, G*bq, bk] float32
-  return jnp.einsum("kqh,kch->kqc", q_i, k_j, preferred_element_type=_F32)
+  return jnp.einsum("KXH,KYH->KXY", q_i, k_j, preferred_element_type=_F32)
 
 
 def _apply_mask(s, vis, fill):
@@ -118,7 +119,7 @@ def forward_example(cfg: Cfg, qb, kb, vb, bl: Blocked):
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
         l_new = l * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("kqc,kcv->kqv", p.astype(v_j.dtype), v_j, preferred_element_type=_F32)
+        pv = jnp.einsum("KXY,KYV->KXV", p.astype(v_j.dtype), v_j, preferred_element_type=_F32)
         return m_new, l_new, acc * corr[..., None] + pv
 
       m, l, acc = jax.lax.cond(full_row[j], lambda: update(False), lambda: update(True))
@@ -179,11 +180,11 @@ def backward_example(cfg: Cfg, qb, kb, vb, dob, lse, delta, bl: Blocked):
         # dK and dV are accumulated transposed ([K, H, bk]): XLA CPU ran
         # "kqh,kqc->khc" 1.5-4x faster than "kqc,kqh->kch" here. (Forming
         # the scores transposed instead measured no faster overall.)
-        dv_ij = jnp.einsum("kqv,kqc->kvc", do_i, p.astype(do_i.dtype), preferred_element_type=_F32)
-        dp = jnp.einsum("kqv,kcv->kqc", do_i, v_j, preferred_element_type=_F32)
+        dv_ij = jnp.einsum("KXV,KXY->KVY", do_i, p.astype(do_i.dtype), preferred_element_type=_F32)
+        dp = jnp.einsum("KXV,KYV->KXY", do_i, v_j, preferred_element_type=_F32)
         ds = (p * (dp - delta_i[..., None])).astype(q_i.dtype)
-        dq_i = jnp.einsum("kqc,kch->kqh", ds, k_j, preferred_element_type=_F32)
-        dk_ij = jnp.einsum("kqh,kqc->khc", q_i, ds, preferred_element_type=_F32)
+        dq_i = jnp.einsum("KXY,KYH->KXH", ds, k_j, preferred_element_type=_F32)
+        dk_ij = jnp.einsum("KXH,KXY->KHY", q_i, ds, preferred_element_type=_F32)
         return dq_i, dk_ij, dv_ij
 
       dq_i, dk_ij, dv_ij = jax.lax.cond(full_col[i], lambda: grads(False), lambda: grads(True))

@@ -5,7 +5,8 @@ attention: the MLP hidden `[B*T, F]` and the logits `[B*T, E]`. Both are compute
 here chunk by chunk over tokens, so only `[chunk, F]` / `[chunk, E]` exist at once,
 in the forward pass and in the backward pass.
 
-Shapes: B batch, T length, D d_model, F MLP hidden, E vocab, c chunk.
+Shapes (docs/contracts.md legend): B batch, T length (or one chunk's tokens), D d_model,
+F MLP hidden, E vocab.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def reference_cross_entropy(
   chunked_cross_entropy (chunk_size is ignored)."""
   del chunk_size
   logits = jnp.einsum(
-    "btd,de->bte",
+    "BTD,DE->BTE",
     hidden,
     unembed,
     preferred_element_type=jnp.float32,
@@ -90,7 +91,7 @@ def reference_cross_entropy(
 def _chunk_logits(h_c, unembed):
   # [c, D] x [D, E] -> [c, E], float32 accumulation whatever the input dtype.
   return jnp.einsum(
-    "cd,de->ce",
+    "TD,DE->TE",
     h_c,
     unembed,
     preferred_element_type=jnp.float32,
@@ -141,14 +142,14 @@ def _ce_sums_bwd(z_loss, res, g):
     )
     d_logits = d_logits.astype(h_c.dtype)
     d_h = jnp.einsum(
-      "ce,de->cd",
+      "TE,DE->TD",
       d_logits,
       unembed,
       preferred_element_type=jnp.float32,
       precision=jax.lax.Precision.HIGHEST,
     )
     d_unembed = d_unembed + jnp.einsum(
-      "cd,ce->de",
+      "TD,TE->DE",
       h_c,
       d_logits,
       preferred_element_type=jnp.float32,

@@ -64,7 +64,7 @@ def reference_attention(
 
   qg = q.astype(jnp.float32).reshape(b, t, kh, g, h)  # [B, T, K, G, H]
   scores = (
-    jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     * scale
   )  # [B, K, G, T, S]
   vis_b = vis[:, None, None, :, :]
@@ -76,7 +76,7 @@ def reference_attention(
   l = jnp.sum(p, axis=-1)
   l_safe = jnp.where(row_has_key, l, 1.0)
   out = jnp.einsum(
-    "bkgts,bskv->btkgv",
+    "BKGTS,BSKV->BTKGV",
     p / l_safe[..., None],
     v.astype(jnp.float32),
     precision=jax.lax.Precision.HIGHEST,

@@ -6,7 +6,8 @@ repeated explicitly for GQA, the mask built token by token from the definitions,
 everything in float32 (jitted only for test speed). Reads the scanned params layout
 (`params['layers']['layer_{i}'][...]` with a leading repeat axis).
 
-Shapes legend: B batch, T length, N q heads, K kv heads, H head dim, D d_model.
+Shapes legend (docs/contracts.md): B batch, T length, N q heads, K kv heads, H head
+dim, D d_model.
 """
 
 from __future__ import annotations
@@ -51,40 +52,40 @@ def _mask(segment_ids, positions, window):
 
 def _attend(q, k, v, vis, scale):
   """q `[B, T, N, H]`, k `[B, T, N, H]`, v `[B, T, N, V]` (already one kv per head)."""
-  s = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
+  s = jnp.einsum("BTNH,BSNH->BNTS", q, k) * scale
   s = jnp.where(vis[:, None], s, -1e30)
   p = jnp.exp(s - s.max(-1, keepdims=True)) * vis[:, None]
   denom = p.sum(-1, keepdims=True)
   p = p / jnp.where(denom == 0, 1.0, denom)
-  return jnp.einsum("bnts,bsnv->btnv", p, v)
+  return jnp.einsum("BNTS,BSNV->BTNV", p, v)
 
 
 def _gqa(p, x, pos, vis, c):
-  q = _rope(jnp.einsum("btd,dnh->btnh", x, p["wq"]), pos, c.rope_theta)
-  k = _rope(jnp.einsum("btd,dkh->btkh", x, p["wk"]), pos, c.rope_theta)
-  v = jnp.einsum("btd,dkh->btkh", x, p["wv"])
+  q = _rope(jnp.einsum("BTD,DNH->BTNH", x, p["wq"]), pos, c.rope_theta)
+  k = _rope(jnp.einsum("BTD,DKH->BTKH", x, p["wk"]), pos, c.rope_theta)
+  v = jnp.einsum("BTD,DKH->BTKH", x, p["wv"])
   rep = c.num_heads // c.num_kv_heads
   k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
   out = _attend(q, k, v, vis, c.head_dim**-0.5)
-  return jnp.einsum("btnh,nhd->btd", out, p["wo"])
+  return jnp.einsum("BTNH,NHD->BTD", out, p["wo"])
 
 
 def _mla(p, x, pos, vis, c):
   nope, r, lat = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
   if c.q_lora_rank:
     q = _rms(x @ p["wq_a"], p["q_norm"]["scale"], c.norm_eps)
-    q = jnp.einsum("btq,qnh->btnh", q, p["wq_b"])
+    q = jnp.einsum("BTQ,QNH->BTNH", q, p["wq_b"])
   else:
-    q = jnp.einsum("btd,dnh->btnh", x, p["wq"])
+    q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"])
   q = jnp.concatenate([q[..., :nope], _rope(q[..., nope:], pos, c.rope_theta)], -1)
   kv_a = x @ p["wkv_a"]
   latent = _rms(kv_a[..., :lat], p["kv_norm"]["scale"], c.norm_eps)
   k_rope = _rope(kv_a[..., None, lat:], pos, c.rope_theta)  # [B, T, 1, R]
-  kv = jnp.einsum("btc,cnh->btnh", latent, p["wkv_b"])
+  kv = jnp.einsum("BTC,CNH->BTNH", latent, p["wkv_b"])
   k_rope = jnp.tile(k_rope, (1, 1, c.num_heads, 1))
   k = jnp.concatenate([kv[..., :nope], k_rope], -1)
   out = _attend(q, k, kv[..., nope:], vis, (nope + r) ** -0.5)
-  return jnp.einsum("btnv,nvd->btd", out, p["wo"])
+  return jnp.einsum("BTNV,NVD->BTD", out, p["wo"])
 
 
 def reference_forward(

@@ -26,7 +26,7 @@ from absl import logging
 from lctx import hardware as hw
 from lctx.parallel import memory_model as mm
 from lctx.parallel import mesh as mesh_lib
-from lctx.parallel.validation import validate_context_parallel
+from lctx.parallel.validation import default_load_balance, validate_context_parallel
 
 GiB = 2**30
 # Search order at equal context degree: least recompute first, then least
@@ -153,7 +153,7 @@ def check_valid(dims: mm.ModelDims, setup: mm.Setup) -> str:
       num_q_heads=dims.num_heads,
       num_kv_heads=dims.num_kv_heads,
       seq_len=setup.seq_len,
-      load_balance=setup.strategy in ("ring", "usp"),
+      load_balance=default_load_balance(setup.strategy),
     )
   except ValueError as err:
     return str(err)

@@ -13,7 +13,11 @@ from __future__ import annotations
 import logging
 
 from lctx.parallel import memory_model
-from lctx.parallel.validation import context_degrees, validate_context_parallel
+from lctx.parallel.validation import (
+  context_degrees,
+  default_load_balance,
+  validate_context_parallel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ def choose_strategy(
     if mla and s in ("ulysses", "usp"):
       rejected.append(f"{s}: MLA heads go to ring")
       continue
-    lb = (s in ("ring", "usp")) if load_balance is None else (load_balance and s != "ulysses")
+    lb = default_load_balance(s) if load_balance is None else (load_balance and s != "ulysses")
     try:
       validate_context_parallel(
         strategy=s,

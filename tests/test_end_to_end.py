@@ -56,3 +56,7 @@ def test_changing_one_packed_document_leaves_the_others_unchanged():
   np.testing.assert_allclose(after[0, others], before[0, others], atol=1e-5)
   np.testing.assert_allclose(after[1], before[1], atol=1e-5)
   assert np.abs(after[0, inside] - before[0, inside]).max() > 1e-3
+  # The forward compiled once for this shape, across calls and logits_fn objects.
+  apply = trainer._logits_apply  # pylint: disable=protected-access
+  trainer.logits_fn(trainer.init_state(1))(batch)
+  assert trainer._logits_apply is apply and apply._cache_size() == 1  # pylint: disable=protected-access

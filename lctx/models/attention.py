@@ -4,7 +4,7 @@ The model never chooses how attention runs: each layer builds q/k/v and calls
 `attention_fn(q, k, v, *, segment_ids, positions, causal, window_size,
 softmax_scale)` (docs/contracts.md). K/V are never repeated for GQA here.
 
-Shapes legend: B batch, T length, N q heads, K kv heads, G = N // K, H head dim
+Shapes legend (docs/contracts.md): B batch, T length, N q heads, K kv heads, G = N // K, H head dim
 (q/k), V value head dim, D d_model, R MLA rope dim, C MLA latent (kv_lora_rank),
 Q MLA query latent (q_lora_rank).
 """

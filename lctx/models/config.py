@@ -9,7 +9,50 @@ from __future__ import annotations
 import dataclasses
 
 ATTENTION_KINDS = ("mha_gqa", "mla")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_layer_inputs")
+# Named activations (jax.ad_checkpoint.checkpoint_name) a remat policy can keep on
+# the device, offload to pinned host memory or recompute. Shapes per layer:
+#   layer_input [B, T, D] (one per layer, or per group with remat_group_size > 1);
+#   query_proj [B, T, N, H], key_proj [B, T, K, H], value_proj [B, T, K, V] (after
+#   RoPE, what attention consumes); attention_out [B, T, N, V] (attention's output
+#   before the output projection); out_proj [B, T, D]; mlp_gate, mlp_up, mlp_hidden
+#   [B*T, F] (mlp_hidden = silu(gate) * up); mlp_out [B*T, D].
+# The attention lse lives inside the attention plug-in's custom VJP (lctx.kernels /
+# lctx.parallel), which the model cannot name, so it has no tag here.
+REMAT_TAGS = (
+  "layer_input",
+  "query_proj",
+  "key_proj",
+  "value_proj",
+  "attention_out",
+  "out_proj",
+  "mlp_gate",
+  "mlp_up",
+  "mlp_hidden",
+  "mlp_out",
+)
+REMAT_CHOICES = ("device", "offload", "remat")
+_QKV = ("query_proj", "key_proj", "value_proj")
+_DOTS = _QKV + ("out_proj", "mlp_gate", "mlp_up", "mlp_out")
+# Presets expressed as per-tag choices; a tag not listed is recomputed ('remat').
+# The layer input is always kept on the device unless a choice says otherwise
+# (it is what a rematerialised layer restarts from).
+REMAT_PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
+  "full": (),
+  "minimal": tuple((t, "device") for t in _DOTS),
+  "minimal_offloaded": tuple((t, "offload") for t in _DOTS),
+  "save_dots": tuple((t, "device") for t in _DOTS + ("attention_out", "mlp_hidden")),
+  "save_qkv_proj": tuple((t, "device") for t in _QKV),
+  "qkv_proj_offloaded": tuple((t, "offload") for t in _QKV),
+  "save_attention_out": (("attention_out", "device"),),
+  "attention_out_offloaded": (("attention_out", "offload"),),
+  "offload_layer_inputs": (("layer_input", "offload"),),
+  "offload_layer_inputs_and_attention_out": (
+    ("layer_input", "offload"),
+    ("attention_out", "offload"),
+  ),
+}
+# Policies that are not per-tag choices: no remat at all, and JAX's dot policies.
+REMAT_POLICIES = ("none", "dots", "dots_no_batch", *REMAT_PRESETS, "custom")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -55,11 +98,25 @@ class ModelConfig:
   param_dtype: str = "float32"
   """Storage dtype of parameters (master weights)."""
   remat_policy: str = "none"
-  """Rematerialisation of each scanned block: 'none' (save everything), 'full'
-    (save only block inputs), 'dots' / 'dots_no_batch' (save matmul outputs,
-    jax.checkpoint_policies.dots_saveable / dots_with_no_batch_dims_saveable),
-    'offload_layer_inputs' (recompute everything but keep each layer's input in
-    pinned host memory)."""
+  """Rematerialisation of each layer (REMAT_POLICIES): 'none' (save everything),
+    'dots' / 'dots_no_batch' (jax.checkpoint_policies.dots_saveable /
+    dots_with_no_batch_dims_saveable), a preset of per-tag choices
+    (REMAT_PRESETS: 'full' recomputes everything from the layer input, 'minimal'
+    keeps the weight matmuls' outputs, 'save_dots' also the attention output and
+    MLP hidden, 'save_qkv_proj' / 'qkv_proj_offloaded', 'save_attention_out' /
+    'attention_out_offloaded', 'offload_layer_inputs' keeps each layer's input in
+    pinned host memory, ...), or 'custom' (remat_custom)."""
+  remat_custom: tuple[tuple[str, str], ...] = ()
+  """With remat_policy='custom': (tag, choice) pairs, tag in REMAT_TAGS, choice
+    'device' (keep), 'offload' (pinned host memory) or 'remat' (recompute, the
+    default for unlisted tags). Gin: `ModelConfig.remat_custom = (('layer_input',
+    'offload'), ('query_proj', 'device'))`."""
+  remat_group_size: int = 1
+  """Layers per rematerialised group: k > 1 saves (or offloads) one layer input
+    per k layers and recomputes the group's layers from it in the backward (each
+    layer again rematerialised inside, so at most k inputs live at once). A
+    multiple of len(attention_pattern) that divides num_layers; needs a remat
+    policy other than 'none' and scan_layers=True."""
   scan_layers: bool = True
   """Scan over layers (one compiled block). False unrolls them (debugging)."""
   mlp_chunk_size: int | None = None
@@ -69,12 +126,39 @@ class ModelConfig:
   """Use the input embedding's transpose as the unembedding."""
 
   def __post_init__(self):
+    # Gin may hand lists for remat_custom; keep the config hashable.
+    custom = self.remat_custom
+    if isinstance(custom, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in custom):
+      object.__setattr__(self, "remat_custom", tuple(tuple(p) for p in custom))
     validate(self)
+
+  @property
+  def remat_choices(self) -> dict[str, str] | None:
+    """Tag -> 'device' | 'offload' | 'remat' for every REMAT_TAGS entry, or None
+    when the policy is not per-tag ('none', 'dots', 'dots_no_batch')."""
+    if self.remat_policy == "custom":
+      pairs = self.remat_custom
+    elif self.remat_policy in REMAT_PRESETS:
+      pairs = REMAT_PRESETS[self.remat_policy]
+    else:
+      return None
+    choices = dict.fromkeys(REMAT_TAGS, "remat")
+    choices.update(dict(pairs))
+    return choices
 
   @property
   def num_repeats(self) -> int:
     """Scan length: how many times the attention_pattern block repeats."""
     return self.num_layers // len(self.attention_pattern)
+
+  @property
+  def attention_head_dims(self) -> tuple[int, int, int, int]:
+    """(N, K, H, V) as the attention kernels see them: MLA hands them K = N heads
+    of H = nope + rope q/k dims and its own V; MHA/GQA/MQA have V = H."""
+    if self.attention == "mla":
+      qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+      return self.num_heads, self.num_heads, qk, self.v_head_dim
+    return self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim
 
   def window_of_layer(self, layer: int) -> int | None:
     return self.attention_pattern[layer % len(self.attention_pattern)]
@@ -98,7 +182,7 @@ class ModelConfig:
     return total
 
   def flops_per_token(self, seq_len: int, causal: bool = True, training: bool = True) -> float:
-    """Model FLOPs per token (REFERENCE.md section 4), packing-independent.
+    """Model FLOPs per token (the PaLM-paper MFU convention), packing-independent.
 
     Forward per token and layer: 2 x (projection matmul params) + attention
     2 x keys x N x (H_qk + V) (= 4 x keys x N x H when H_qk = V); plus 2 D E
@@ -149,6 +233,50 @@ def _attention_norm_params(c: ModelConfig) -> int:
   return 0
 
 
+def _validate_remat_custom(c: ModelConfig) -> None:
+  custom = c.remat_custom
+  if c.remat_policy != "custom":
+    if custom:
+      raise ValueError(
+        f"remat_custom is set ({custom!r}) but remat_policy is {c.remat_policy!r}; "
+        "set remat_policy='custom' to use per-tag choices"
+      )
+    return
+  if not isinstance(custom, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in custom):
+    raise ValueError(
+      "remat_custom must be (tag, choice) pairs, e.g. (('layer_input', 'offload'),); "
+      f"got {custom!r}"
+    )
+  seen = set()
+  for tag, choice in custom:
+    if tag not in REMAT_TAGS:
+      raise ValueError(f"remat_custom: unknown tag {tag!r}; tags are {REMAT_TAGS}")
+    if choice not in REMAT_CHOICES:
+      raise ValueError(f"remat_custom: choice {choice!r} for {tag!r} is not one of {REMAT_CHOICES}")
+    if tag in seen:
+      raise ValueError(f"remat_custom: tag {tag!r} is given more than once")
+    seen.add(tag)
+
+
+def _validate_remat_group(c: ModelConfig) -> None:
+  k, period = c.remat_group_size, len(c.attention_pattern) if c.attention_pattern else 1
+  if not isinstance(k, int) or k < 1:
+    raise ValueError(f"remat_group_size must be an int >= 1; got {k!r}")
+  if k == 1:
+    return
+  if c.remat_policy == "none":
+    raise ValueError(
+      f"remat_group_size={k} needs a remat policy; remat_policy='none' saves everything"
+    )
+  if not c.scan_layers:
+    raise ValueError(f"remat_group_size={k} needs scan_layers=True")
+  if k % period or c.num_layers % k:
+    raise ValueError(
+      f"remat_group_size ({k}) must be a multiple of len(attention_pattern) ({period}) "
+      f"and divide num_layers ({c.num_layers})"
+    )
+
+
 def validate(c: ModelConfig) -> None:
   """Raises one ValueError naming the broken rule and the numbers."""
   for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim"):
@@ -158,6 +286,8 @@ def validate(c: ModelConfig) -> None:
     raise ValueError(f"attention must be one of {ATTENTION_KINDS}; got {c.attention!r}")
   if c.remat_policy not in REMAT_POLICIES:
     raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}; got {c.remat_policy!r}")
+  _validate_remat_custom(c)
+  _validate_remat_group(c)
   for name in ("dtype", "param_dtype"):
     if getattr(c, name) not in DTYPES:
       raise ValueError(f"{name} must be one of {DTYPES}; got {getattr(c, name)!r}")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from lctx.models.config import ModelConfig
 
@@ -128,11 +129,14 @@ class MLP(nn.Module):
       # (~0.6 ms each per [512, 512]); flat, the MLP fwd+bwd ran ~20% faster.
       lead = xc.shape[:-1]
       x2 = xc.reshape(-1, d)
-      gate, up = x2 @ w_gate, x2 @ w_up
+      # Remat tags (lctx.models.config.REMAT_TAGS) on the token-major values.
+      gate = checkpoint_name(x2 @ w_gate, "mlp_gate")
+      up = checkpoint_name(x2 @ w_up, "mlp_up")
       hidden = constrain(
         (nn.silu(gate) * up).reshape(lead + (f,)), ("act_batch", "act_seq", "act_mlp")
       )
-      return (hidden.reshape(-1, f) @ w_out).reshape(lead + (d,))
+      hidden = checkpoint_name(hidden.reshape(-1, f), "mlp_hidden")
+      return checkpoint_name(hidden @ w_out, "mlp_out").reshape(lead + (d,))
 
     if c.mlp_chunk_size is None or c.mlp_chunk_size >= x.shape[1]:
       return mlp(x)

@@ -6,11 +6,12 @@ params live under `params['layers']['layer_{i}']` with a leading 'layers' axis o
 size num_repeats. With scan_layers=False the same block is unrolled and its params
 live under `params['layers_{r}']`; `stack_unscanned_params` converts.
 
-Shapes legend: B batch, T length, D d_model, E vocab.
+Shapes legend (docs/contracts.md): B batch, T length, D d_model, E vocab.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -33,12 +34,14 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
   attention_fn: Callable
   window_size: int | None = None
+  tag_input: bool = True  # False inside a remat group: the group input is tagged
 
   @nn.compact
   def __call__(self, x, segment_ids, positions):
     c = self.config
-    # Named so the 'offload_layer_inputs' remat policy can move it to host memory.
-    x = checkpoint_name(constrain(x, _ACT), LAYER_INPUT_NAME)
+    x = constrain(x, _ACT)
+    if self.tag_input:  # what 'offload_layer_inputs' and friends keep or offload
+      x = checkpoint_name(x, LAYER_INPUT_NAME)
     attn_cls = MLAAttention if c.attention == "mla" else GQAAttention
     h = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="attn_norm")(x)
     x = x + attn_cls(c, self.attention_fn, self.window_size, name="attention")(
@@ -50,10 +53,16 @@ class DecoderLayer(nn.Module):
 
 
 class Block(nn.Module):
-  """One period of the attention pattern: len(pattern) layers with static windows."""
+  """One period of the attention pattern: len(pattern) layers with static windows.
+
+  in_group=True: the block runs inside a remat group (remat_group_size > 1); its
+  layers are rematerialised with the policy of the tags other than the layer input
+  and leave the input untagged (the group tags its own input).
+  """
 
   config: ModelConfig
   attention_fn: Callable
+  in_group: bool = False
 
   @nn.compact
   def __call__(self, x, segment_ids, positions):
@@ -61,34 +70,114 @@ class Block(nn.Module):
     layer_cls = DecoderLayer
     if c.remat_policy != "none":
       # Per layer, so 'full' keeps one input per layer rather than per block.
-      # prevent_cse is only needed outside scan (scan already blocks CSE).
+      # prevent_cse is only needed outside scan (scan already blocks CSE; a
+      # group scans its blocks too).
+      outer, inner = checkpoint_policies(c)
       layer_cls = nn.remat(
-        DecoderLayer, policy=remat_policy(c.remat_policy), prevent_cse=not c.scan_layers
+        DecoderLayer, policy=inner if self.in_group else outer, prevent_cse=not c.scan_layers
       )
     for i, window in enumerate(c.attention_pattern):
-      x = layer_cls(c, self.attention_fn, window, name=f"layer_{i}")(x, segment_ids, positions)
+      x = layer_cls(c, self.attention_fn, window, tag_input=not self.in_group, name=f"layer_{i}")(
+        x, segment_ids, positions
+      )
     return x, None  # (carry, per-step output) for nn.scan
 
 
 def remat_policy(name: str):
-  """The jax.checkpoint policy for a ModelConfig.remat_policy (None: no remat)."""
+  """The jax.checkpoint policy of a named ModelConfig.remat_policy (None: no remat)."""
+  if name == "custom":
+    raise ValueError("remat_policy 'custom' needs its choices: use checkpoint_policies(config)")
+  return checkpoint_policies(ModelConfig(remat_policy=name))[0]
+
+
+def checkpoint_policies(c: ModelConfig):
+  """(per-layer policy, policy of the layers inside a remat group) for a config.
+
+  The first applies to each layer when remat_group_size == 1 and to the group as a
+  whole otherwise, where only the group's input (tag layer_input) is visible to it;
+  the second applies to the layers inside a group (every tag but layer_input).
+  None means no remat.
+  """
   cp = jax.checkpoint_policies
-  if name == "none":
-    return None
-  if name == "full":
+  if c.remat_policy == "none":
+    return None, None
+  if c.remat_policy in ("dots", "dots_no_batch"):
+    dots = cp.dots_saveable if c.remat_policy == "dots" else cp.dots_with_no_batch_dims_saveable
+    return (dots if c.remat_group_size == 1 else cp.nothing_saveable), dots
+  choices = c.remat_choices
+  if c.remat_group_size == 1:
+    return _named_policy(choices), None
+  group = {LAYER_INPUT_NAME: choices[LAYER_INPUT_NAME]}
+  inner = {t: ch for t, ch in choices.items() if t != LAYER_INPUT_NAME}
+  return _named_policy(group), _named_policy(inner)
+
+
+def _named_policy(choices: dict[str, str]):
+  """jax.checkpoint policy keeping 'device' tags, offloading 'offload' tags to
+  pinned host memory and recomputing everything else."""
+  cp = jax.checkpoint_policies
+  device = [t for t, ch in choices.items() if ch == "device"]
+  offload = [t for t, ch in choices.items() if ch == "offload"]
+  if not device and not offload:
     return cp.nothing_saveable
-  if name == "dots":
-    return cp.dots_saveable
-  if name == "dots_no_batch":
-    return cp.dots_with_no_batch_dims_saveable
-  if name == "offload_layer_inputs":
-    return cp.save_and_offload_only_these_names(
-      names_which_can_be_saved=[],
-      names_which_can_be_offloaded=[LAYER_INPUT_NAME],
-      offload_src="device",
-      offload_dst="pinned_host",
-    )
-  raise ValueError(f"unknown remat_policy {name!r}")
+  if not offload:
+    return cp.save_only_these_names(*device)
+  return cp.save_and_offload_only_these_names(
+    names_which_can_be_saved=device,
+    names_which_can_be_offloaded=offload,
+    offload_src="device",
+    offload_dst="pinned_host",
+  )
+
+
+def _grouped_layers(c: ModelConfig, attention_fn, stacked, x, segment_ids, positions):
+  """Runs the scanned blocks in remat groups of remat_group_size layers.
+
+  stacked: the scanned layout `{'layer_{i}': ...}` with leading axis num_repeats.
+  Each group of k layers is one jax.checkpoint whose only saved (or offloaded)
+  value is its input; its layers are rematerialised again inside, so the
+  backward holds at most k layer inputs of one group at a time.
+  """
+  blocks = c.remat_group_size // len(c.attention_pattern)  # blocks per group
+  block = Block(c, attention_fn, in_group=True)
+  outer, _ = checkpoint_policies(c)
+
+  def group(x, params):  # params: leading axis `blocks`
+    x = checkpoint_name(x, LAYER_INPUT_NAME)
+    # A scan, not a loop: its reverse pass recomputes one block at a time (an
+    # unrolled loop let XLA hoist every layer's recompute: temp grew ~1 layer's
+    # working set per extra layer in the group on v5p).
+    body = lambda x, p: block.apply({"params": p}, x, segment_ids, positions)  # noqa: E731
+    return jax.lax.scan(body, x, params)[0]
+
+  group = jax.checkpoint(group, policy=outer, prevent_cse=False)  # in scan: no CSE
+  grouped = jax.tree.map(lambda a: a.reshape((-1, blocks) + a.shape[1:]), stacked)
+  x, _ = jax.lax.scan(lambda x, p: (group(x, p), None), x, grouped)
+  return x
+
+
+def _init_stacked_blocks(c: ModelConfig, rng):
+  """Params of num_repeats blocks in the scanned layout (what nn.scan creates),
+  boxed with the 'layers' logical axis first. Shapes do not depend on the batch,
+  the length or the attention plug-in, so a [1, 2, D] dummy and the reference
+  attention suffice."""
+  dummy = jnp.zeros((1, 2, c.d_model), c.dtype)
+  ids = jnp.ones((1, 2), jnp.int32)
+  block = Block(
+    dataclasses.replace(c, remat_policy="none", remat_custom=(), remat_group_size=1),
+    reference_attention_fn,
+  )
+
+  def one(key):
+    with nn.logical_axis_rules(()):
+      return block.init(key, dummy, ids, ids)["params"]
+
+  boxed = jax.vmap(one)(jax.random.split(rng, c.num_repeats))
+  return jax.tree.map(
+    lambda b: b.add_axis(0, {nn.PARTITION_NAME: "layers"}),
+    boxed,
+    is_leaf=lambda v: isinstance(v, nn.meta.AxisMetadata),
+  )
 
 
 class Transformer(nn.Module):
@@ -115,7 +204,10 @@ class Transformer(nn.Module):
     )
     x = constrain(jnp.take(embedding, inputs, axis=0).astype(c.dtype), _ACT)  # [B, T, D]
 
-    if c.scan_layers:
+    if c.scan_layers and c.remat_group_size > 1:
+      stacked = self.param("layers", lambda rng: _init_stacked_blocks(c, rng))
+      x = _grouped_layers(c, self.attention_fn, stacked, x, segment_ids, positions)
+    elif c.scan_layers:
       stack = nn.scan(
         Block,
         variable_axes={"params": 0},

@@ -245,6 +245,11 @@ class PreemptionWatch:
       return multihost_utils.reached_preemption_sync_point(step)
     return not _all_processes(not self._flag)
 
+  @property
+  def notified(self) -> bool:
+    """This process caught SIGTERM (single-process runs; the loop may have ended since)."""
+    return self._flag
+
   def close(self) -> None:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)

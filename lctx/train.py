@@ -352,16 +352,17 @@ def run(
     state = trainer.init_state(exp.train.seed)
 
   writer = metrics_lib.MetricWriter(workdir)
-  preemption = ckpt_lib.PreemptionWatch()
+  preemption = ckpt_lib.PreemptionWatch() if mode in ("train", "train_and_eval") else None
   profiler = metrics_lib.Profiler(exp.train.profile_steps, os.path.join(workdir, "profile"))
   try:
     evaluated = False
-    if mode in ("train", "train_and_eval"):
+    if preemption is not None:
       state, evaluated = train_loop(
         exp, trainer, state, train_iter, checkpointer, writer, workdir, preemption, profiler
       )
-    if preemption.stopped_at is not None:
-      return
+      preemption.close()  # what follows (evals) ends on SIGTERM as usual
+      if preemption.stopped_at is not None or preemption.notified:
+        return
     if mode == "eval" or (mode == "train_and_eval" and not evaluated):
       step = int(jax.device_get(state["step"]))
       results = evaluate_loss(exp, trainer, state)
@@ -370,6 +371,7 @@ def run(
       writer.write(step, results)
   finally:
     profiler.stop()
-    preemption.close()
+    if preemption is not None:
+      preemption.close()
     checkpointer.close()
     writer.close()

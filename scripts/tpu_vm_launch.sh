@@ -21,15 +21,17 @@
 #   LOG_DIR           where per-worker logs land here (default: logs/tpu/TPU_NAME)
 #
 # Every worker runs `main.py --jax_distributed` (hosts find each other through
-# the TPU metadata; with several slices the TPU runtime sets the MEGASCALE_*
-# variables). No training settings live here: the gin file holds them all,
-# multi-slice runs included (MeshConfig.dcn_data / dcn_fsdp = NUM_SLICES).
+# the TPU metadata; with several slices each worker also gets MEGASCALE_NUM_SLICES,
+# its MEGASCALE_SLICE_ID and slice 0's first worker as MEGASCALE_COORDINATOR_ADDRESS,
+# port MEGASCALE_PORT, default 8080). No training settings live here: the gin file
+# holds them all, multi-slice runs included (MeshConfig.dcn_data / dcn_fsdp = NUM_SLICES).
 # WORKDIR must be a path every worker shares (e.g. a Filestore or gcsfuse mount
 # at the same path on all workers): each host writes its checkpoint shards there.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
 NUM_SLICES="${NUM_SLICES:-1}"
 QR_ID="${QR_ID:-$TPU_NAME-qr}"
+MEGASCALE_PORT="${MEGASCALE_PORT:-8080}"
 LOG_DIR="${LOG_DIR:-logs/tpu/$TPU_NAME}"
 GCLOUD=(gcloud --quiet)
 ZONE_ARGS=(--zone="$ZONE")
@@ -71,16 +73,17 @@ create() {
   done
 }
 
-on_all_workers() {  # COMMAND: run on every worker of every node; logs per worker
-  local command="$1" pids=() node w n
+on_all_workers() {  # COMMAND: run on every worker of every node (@SLICE@: the node's index)
+  local command="$1" pids=() node w n s=0
   mkdir -p "$LOG_DIR"
   for node in $(nodes); do
     n="$(workers "$node")"
     for ((w = 0; w < n; w++)); do
       "${GCLOUD[@]}" compute tpus tpu-vm ssh "$node" "${ZONE_ARGS[@]}" --worker="$w" \
-        --command="$command" >"$LOG_DIR/$node-worker$w.log" 2>&1 &
+        --command="${command//@SLICE@/$s}" >"$LOG_DIR/$node-worker$w.log" 2>&1 &
       pids+=($!)
     done
+    s=$((s + 1))
   done
   echo "started on ${#pids[@]} workers; logs in $LOG_DIR/" >&2
   local rc=0 pid
@@ -108,9 +111,18 @@ run() {
     echo "usage: $0 run GIN_FILE WORKDIR [more main.py flags]" >&2
     return 2
   fi
-  local flags
+  local flags env=""
   flags="$(printf ' %q' --jax_distributed --gin_file="$1" --workdir="$2" "${@:3}")"
-  on_all_workers "cd ~/lctx && . ~/lctx-venv/bin/activate && exec python main.py$flags"
+  if [ "$NUM_SLICES" -gt 1 ]; then
+    # Multi-slice: slices talk over DCN through the coordinator on slice 0, worker 0.
+    local coordinator
+    coordinator="$("${GCLOUD[@]}" compute tpus tpu-vm describe "$TPU_NAME-0" "${ZONE_ARGS[@]}" \
+      --format='value(networkEndpoints[0].ipAddress)')"
+    env="export MEGASCALE_COORDINATOR_ADDRESS=$coordinator:$MEGASCALE_PORT"
+    env+=" MEGASCALE_PORT=$MEGASCALE_PORT MEGASCALE_NUM_SLICES=$NUM_SLICES"
+    env+=" MEGASCALE_SLICE_ID=@SLICE@ && "
+  fi
+  on_all_workers "${env}cd ~/lctx && . ~/lctx-venv/bin/activate && exec python main.py$flags"
 }
 
 delete() {

@@ -135,6 +135,23 @@ def _to_python(v):
   return v
 
 
+def check_profile_steps(profile_steps) -> None:
+  """TrainConfig.profile_steps: None or (start, stop) with 0 <= start < stop."""
+  if profile_steps is None:
+    return
+  ok = (
+    isinstance(profile_steps, (tuple, list))
+    and len(profile_steps) == 2
+    and all(isinstance(s, int) for s in profile_steps)
+    and 0 <= profile_steps[0] < profile_steps[1]
+  )
+  if not ok:
+    raise ValueError(
+      "TrainConfig.profile_steps must be None or (start, stop) with "
+      f"0 <= start < stop; got {profile_steps!r}."
+    )
+
+
 class Profiler:
   """A jax.profiler trace of steps start+1 .. stop (`TrainConfig.profile_steps`).
 
@@ -143,18 +160,7 @@ class Profiler:
   """
 
   def __init__(self, profile_steps: tuple[int, int] | None, directory: str):
-    if profile_steps is not None:
-      ok = (
-        isinstance(profile_steps, (tuple, list))
-        and len(profile_steps) == 2
-        and all(isinstance(s, int) for s in profile_steps)
-        and 0 <= profile_steps[0] < profile_steps[1]
-      )
-      if not ok:
-        raise ValueError(
-          "TrainConfig.profile_steps must be None or (start, stop) with "
-          f"0 <= start < stop; got {profile_steps!r}."
-        )
+    check_profile_steps(profile_steps)
     self._window, self._directory = profile_steps, directory
     self._active = self._done = False
 

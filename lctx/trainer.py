@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lctx import host, models, parallel
+from lctx import host, metrics, models, parallel
 from lctx.kernels import chunked_cross_entropy
 from lctx.parallel import mesh as mesh_lib
 
@@ -118,7 +118,15 @@ class TrainConfig:
 
 def validate_train_config(c: TrainConfig) -> None:
   """Raises one ValueError naming the field and the value."""
-  for name in ("batch_size", "seq_len", "steps", "log_every", "eval_batches", "keep_checkpoints"):
+  for name in (
+    "batch_size",
+    "seq_len",
+    "steps",
+    "log_every",
+    "eval_batches",
+    "keep_checkpoints",
+    "max_skipped_steps",
+  ):
     value = getattr(c, name)
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"TrainConfig.{name} must be a positive int; got {value!r}.")
@@ -144,6 +152,7 @@ def validate_train_config(c: TrainConfig) -> None:
     raise ValueError(
       f"TrainConfig.cpu_vector_width must be None, 128, 256 or 512 (bits); got {c.cpu_vector_width!r}."
     )
+  metrics.check_profile_steps(c.profile_steps)
   # Kernel backend and block sizes: one rule, in KernelOptions.
   try:
     parallel.KernelOptions(

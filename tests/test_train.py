@@ -123,6 +123,10 @@ def test_batch_not_divisible_by_data_axes_is_an_error():
   [
     ("cpu_vector_width", 300, "cpu_vector_width must be None, 128, 256 or 512"),
     ("attention_block_q_bwd", 0, "attention_block_q_bwd must be None or a positive"),
+    ("max_skipped_steps", 0, "max_skipped_steps must be a positive int"),
+    ("profile_steps", (5, 2), "profile_steps must be None or \\(start, stop\\)"),
+    ("context_parallel_strategy", "zigzag", "context_parallel_strategy must be one of"),
+    ("attention_backend", "fast", "attention_backend must be one of"),
   ],
 )
 def test_bad_cpu_and_block_settings_are_errors(field, value, message):

@@ -132,7 +132,9 @@ def test_batch_not_divisible_by_data_axes_is_an_error():
 def test_bad_cpu_and_block_settings_are_errors(field, value, message):
   # TrainConfig rejects them itself, before any Trainer is built.
   with pytest.raises(ValueError, match=message):
-    TrainConfig(batch_size=4, seq_len=64, context_parallel_strategy="all_gather", **{field: value})
+    TrainConfig(
+      **{"batch_size": 4, "seq_len": 64, "context_parallel_strategy": "all_gather", field: value}
+    )
 
 
 def test_cpu_vector_width_reaches_the_compiled_steps():

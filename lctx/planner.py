@@ -301,7 +301,7 @@ def summary(record: dict[str, Any], gin_files: list[str] | None = None) -> str:
       + (f"; {r['error']}" if r.get("error") else "")
     )
     for k, v in r["breakdown"].items():
-      lines.append(f"    {k:18s} {v / GiB:9.2f} GiB")
+      lines.append(f"    {k:18s} {v / GiB:9.2f} GiB" if isinstance(v, int) else f"    {k:18s} {v}")
   sm = record["smallest"]
   if sm and sm.get("compile_topology"):
     files = " ".join(f"--gin_file={g}" for g in gin_files or ["G"])

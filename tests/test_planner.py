@@ -44,13 +44,12 @@ LLAMA_8B = dict(
 
 
 def _exp(model: dict, *, seq_len: int, batch_size: int = 1, mesh=None, **train):
+  strategy = train.pop("strategy", "ring")
   train = dict(
+    dict(loss_chunk_size=8192, attention_block_q=2048, attention_block_kv=2048),
     batch_size=batch_size,
     seq_len=seq_len,
-    loss_chunk_size=8192,
-    attention_block_q=2048,
-    attention_block_kv=2048,
-    context_parallel_strategy=train.pop("strategy", "ring"),
+    context_parallel_strategy=strategy,
     **train,
   )
   return train_lib.Experiment(
@@ -139,7 +138,7 @@ def _rank(rec):
 
 def test_smallest_setup_fits_and_longer_sequences_need_more():
   # Batch 8 leaves the search free to trade fsdp for context on 64 devices.
-  short = planner.plan(_exp(LLAMA_8B, seq_len=1 << 18, batch_size=8), hardware="v5p-64")
+  short = planner.plan(_exp(LLAMA_8B, seq_len=1 << 16, batch_size=8), hardware="v5p-64")
   long = planner.plan(_exp(LLAMA_8B, seq_len=1 << 21, batch_size=8), hardware="v5p-64")
   for rec in (short, long):
     sm = rec["smallest"]
@@ -217,3 +216,53 @@ def test_main_mode_plan_writes_plan_json(tmp_path):
   assert rec["configured"]["setup"]["strategy"] == "ring"
   assert (proc.returncode == 0) == rec["configured"]["fits"]
   assert "Ask the compiler" in proc.stdout
+
+
+# ----------------------------------------------------------------------------
+# The compiler's check: small Llama-shaped models on small TPU slices
+# ----------------------------------------------------------------------------
+SMALL = dict(
+  vocab_size=4096,
+  d_model=256,
+  num_layers=2,
+  num_heads=8,
+  num_kv_heads=4,
+  head_dim=32,
+  mlp_dim=768,
+  dtype="bfloat16",
+  param_dtype="float32",
+)
+COMPILE_CASES = [
+  # topology, strategy, mesh, remat policy
+  ("v5p:2x2x1", "ring", dict(context=4), "full"),
+  ("tpu7x:2x2x1", "usp", dict(context=4, context_ulysses=2), "full"),
+  ("v5p:2x2x1", "all_gather", dict(context=4), "offload_layer_inputs"),
+]
+
+
+@pytest.mark.parametrize("topology,strategy,mesh,remat", COMPILE_CASES)
+def test_planner_is_within_15_percent_of_the_compiler(topology, strategy, mesh, remat):
+  from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from lctx import hardware  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(
+    {**SMALL, "remat_policy": remat},
+    seq_len=16384,
+    strategy=strategy,
+    mesh=MeshConfig(**mesh),
+    loss_chunk_size=1024,
+    attention_block_q=512,
+    attention_block_kv=512,
+  )
+  record = compile_lib.compile_step(exp, topology=topology)
+  assert record["fits"], record
+  compiled = record["per_device"]["total_bytes"]
+  setup = planner.make_setup(exp, strategy=strategy, mesh=mesh, remat_policy=remat)
+  est = planner.evaluate(planner.model_dims(exp.model), setup, hardware.parse_target(topology))
+  err = (est["per_device_total_bytes"] - compiled) / compiled
+  assert abs(err) <= 0.15, (
+    f"planner {est['per_device_total_bytes'] / 2**20:.1f} MiB vs compiled "
+    f"{compiled / 2**20:.1f} MiB ({100 * err:+.1f}%)"
+  )
+  host = record["per_device"]["host_bytes"]
+  assert abs(est["host_bytes_per_device"] - host) <= 0.15 * max(host, 1)

@@ -138,7 +138,11 @@ def choose_strategy(
     raise ValueError(
       "[auto-no-strategy] no context-parallel strategy is valid: " + " | ".join(rejected)
     )
-  s, est = min(valid, key=lambda x: x[1])
+  # The official rule takes all_gather only while the whole K/V fit; when
+  # nothing fits, the sharded strategies (whose buffers fall with the degree)
+  # are the way forward, so the smallest of those.
+  sharded = [x for x in valid if x[0] != "all_gather"] or valid
+  s, est = min(sharded, key=lambda x: x[1])
   reason = (
     f"{s}: nothing fits the {budget / 2**20:.0f} MiB budget; smallest estimate "
     f"{est / 2**20:.1f} MiB ({'; '.join(rejected)})"

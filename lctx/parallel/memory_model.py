@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp", "none")
 F32 = 4
@@ -140,6 +141,7 @@ LAYER_TENSORS = (
   "context",
   "out_proj",
   "mlpwi",
+  "mlp_hidden",
   "mlpwo",
   "residuals",
 )
@@ -159,6 +161,12 @@ REMAT_POLICIES: dict[str, dict[str, str]] = {
 }
 
 
+def lanes(width: int) -> int:
+  """Width of a minor dimension in TPU memory: tiles are 128 lanes wide, so a
+  head dim of 32 takes the room of 128 (XLA's layout for [..., H] arrays)."""
+  return -(-int(width) // 128) * 128
+
+
 def tensor_bytes_per_token(name: str, dims: ModelDims, setup: Setup) -> float:
   """Bytes one token of one layer's tensor `name` takes (per tensor shard)."""
   tp = setup.axis("tensor")
@@ -175,10 +183,12 @@ def tensor_bytes_per_token(name: str, dims: ModelDims, setup: Setup) -> float:
     "context": n * v * a,
     "out_proj": d * a,
     "mlpwi": 2 * f * a,
+    # SwiGLU's sigmoid and product.
+    "mlp_hidden": 2 * f * a,
     "mlpwo": d * a,
-    # Two RMSNorms (f32 normalised input + bf16 output each), RoPE'd q and k,
-    # lse, the residual sum and SwiGLU's product.
-    "residuals": 2 * d * (F32 + a) + (n + k) * h * a + n * F32 + d * a + f * a,
+    # Two RMSNorms (f32 normalised input + bf16 output each), RoPE'd q and k
+    # (bf16, and the f32 they are computed in), lse and the residual sum.
+    "residuals": 2 * d * (F32 + a) + (n + k) * h * (a + F32) + n * F32 + d * a,
   }
   if name not in sizes:
     raise ValueError(f"unknown layer tensor {name!r}; known: {', '.join(LAYER_TENSORS)}")
@@ -208,42 +218,54 @@ def remat_saved_bytes_per_token(dims: ModelDims, setup: Setup) -> tuple[float, f
 # ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Breakdown:
-  """Per-device bytes of one train step (`total` = device HBM); host per device."""
+  """Per-device bytes of one train step; host bytes per device.
+
+  The step's peak is the state, gradients and saved activations plus the larger
+  of two phases: a layer's backward (gathered weights, the layer's residual
+  stream and cotangents, then the larger of its MLP's and its attention's
+  buffers) or the loss (one chunk of logits). `total` counts the peak; what
+  is not live at the peak is listed but not added.
+  """
 
   parameters: int
   optimizer_state: int
   batch: int
   gradients: int
-  gathered_weights: int
   saved_activations: int
+  gathered_weights: int
   layer_backward: int
+  mlp_backward: int
   attention_buffers: int
   loss: int
   host: int
 
-  DEVICE_FIELDS = (
-    "parameters",
-    "optimizer_state",
-    "batch",
-    "gradients",
-    "gathered_weights",
-    "saved_activations",
-    "layer_backward",
-    "attention_buffers",
-    "loss",
-  )
+  STATE_FIELDS = ("parameters", "optimizer_state", "batch", "gradients", "saved_activations")
+  LAYER_FIELDS = ("gathered_weights", "layer_backward", "mlp_backward", "attention_buffers")
+
+  @property
+  def layer_phase(self) -> int:
+    """Gathered weights and the layer's own buffers, then the MLP's or attention's."""
+    return self.gathered_weights + self.layer_backward + self.mlp_backward + self.attention_buffers
+
+  @property
+  def peak_phase(self) -> str:
+    return "layer backward" if self.layer_phase >= self.loss else "loss"
 
   @property
   def total(self) -> int:
-    return sum(getattr(self, f) for f in self.DEVICE_FIELDS)
+    state = sum(getattr(self, f) for f in self.STATE_FIELDS)
+    return state + max(self.layer_phase, self.loss)
 
   @property
   def argument_bytes(self) -> int:
     """What the compiler calls arguments (the donated state and the batch)."""
     return self.parameters + self.optimizer_state + self.batch
 
-  def as_dict(self) -> dict[str, int]:
-    out = {f: getattr(self, f) for f in (*self.DEVICE_FIELDS, "host")}
+  def as_dict(self) -> dict[str, Any]:
+    out: dict[str, Any] = {
+      f: getattr(self, f) for f in (*self.STATE_FIELDS, *self.LAYER_FIELDS, "loss", "host")
+    }
+    out["peak_phase"] = self.peak_phase
     out["total"] = self.total
     return out
 
@@ -251,16 +273,47 @@ class Breakdown:
 # ----------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------
-# Live copies at the peak that XLA's schedule decides, fitted to compiles:
-_GATHERED_LAYER_COPIES = 3.0  # gathered f32 weights (+ bf16 cast) and their f32 grads
-_LOSS_CHUNK_COPIES = 2.0  # f32 logits and their f32 gradient
-_KERNEL_BLOCK_COPIES = 4.0  # f32 [G*bq, bk] score blocks per kv head in flight
-_LAYER_BACKWARD_D = 6.0  # cotangent and residual D-vectors per token (bytes / a)
-_LAYER_BACKWARD_F = 4.0  # MLP hidden-sized buffers per MLP-chunk token (bytes / a)
+# What the code fixes (buffer shapes) is counted above and below; what XLA's
+# schedule decides (how many such buffers are live at the peak) is a
+# coefficient, fitted by least squares (log error) to 11 TPU compiles of small
+# Llama-shaped models (d_model 256-512, 2-4 layers, 16K-32K tokens on
+# v5p:2x2x1 / tpu7x:2x2x1, ring / all_gather / ulysses / usp, remat full /
+# none / offload)
+# and 6 Llama-3.1-8B usp compiles on v5p:4x4x4 / tpu7x:4x4x4 (REFERENCE.md
+# section 8), libtpu 0.0.42.1, 2026-12-01; the fit is within -17%..+11% of them.
+# Held-out checks: tests/test_planner.py, scripts/bench_memory.py.
+COEFFICIENTS = {
+  # FSDP: copies of one layer's f32 weights live (gathered, bf16 cast, grads).
+  "gathered_layer_copies": 3.0,
+  # Bytes per token per d_model element the layer in backward holds (residual
+  # stream and its cotangent, norm outputs, projections' inputs and outputs).
+  "layer_bytes_per_d": 11.8,
+  # Bytes per MLP-chunk token per hidden (F) element: gate, up, their product
+  # and cotangents.
+  "mlp_bytes_per_f": 4.6,
+  # ring / usp, per local token and lane-padded element: per q/out element
+  # N(H+V) (the f32 output and dQ accumulators: 8 bytes) and per k/v element
+  # K(H+V) (the visiting block and the next, dK/dV travelling in f32).
+  "ring_bytes_per_q_elem": 8.1,
+  "ring_bytes_per_kv_elem": 9.8,
+  # usp on top of its ring, per (q + kv) element: both layouts of q/k/v/out
+  # around the all-to-alls.
+  "usp_a2a_bytes_per_elem": 8.8,
+  # ulysses, per local token per (q + kv) element: the all-to-all'd copies.
+  "ulysses_bytes_per_elem": 3.8,
+  # all_gather: per whole-sequence token per k/v element (gathered bf16 K/V
+  # and their f32 gradient).
+  "all_gather_bytes_per_kv_elem": 6.0,
+  # f32 [G*bq, bk] score tiles live per kv-head group (the kernel's blocks).
+  "kernel_block_copies": 1.2,
+  # Loss: bytes per logit of one chunk (f32 partial sums over D, bf16 grad).
+  "loss_bytes_per_logit": 6.0,
+}
 
 
-def estimate(dims: ModelDims, setup: Setup) -> Breakdown:
-  """The per-device breakdown of one train step of `dims` run as `setup`."""
+def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | None = None):
+  """The per-device Breakdown of one train step of `dims` run as `setup`."""
+  co = COEFFICIENTS if coefficients is None else {**COEFFICIENTS, **coefficients}
   if setup.strategy not in STRATEGIES:
     raise ValueError(f"unknown strategy {setup.strategy!r}; known: {', '.join(STRATEGIES)}")
   a, p = setup.dtype_bytes, setup.param_bytes
@@ -270,89 +323,78 @@ def estimate(dims: ModelDims, setup: Setup) -> Breakdown:
   tokens = b * t
 
   # Parameters, optimizer state, gradients: sharded over embed x tensor.
-  shards = setup.param_shards * tp
-  params = math.ceil(dims.num_params / shards)
-  parameters = params * p
-  optimizer_state = 2 * params * p
-  gradients = params * p
-  batch = BATCH_ARRAYS * tokens * INT32
+  params = math.ceil(dims.num_params / (setup.param_shards * tp))
 
-  # FSDP: one layer gathered at a time, and the unembedding for the loss.
+  # Saved activations across layers (device) and offloaded ones (host).
+  dev_tok, host_tok = remat_saved_bytes_per_token(dims, setup)
+
+  # FSDP gathers one layer's weights at a time.
   gathered = 0.0
   if setup.param_shards > 1:
-    gathered += _GATHERED_LAYER_COPIES * dims.layer_params / tp * p
+    gathered = co["gathered_layer_copies"] * dims.layer_params / tp * p
+
+  # The layer in its backward pass: the residual stream and its cotangent for
+  # every token; then either the MLP (over one chunk) or attention.
+  # Per-element coefficients are for bf16 activations; f32 ones scale them.
+  act = a / 2
+  layer = act * tokens * co["layer_bytes_per_d"] * dims.d_model
+  mlp = act * b * min(t, setup.mlp_chunk_size or t) * co["mlp_bytes_per_f"] * dims.mlp_dim / tp
+  attention = attention_buffer_bytes(dims, setup, rows=b, coefficients=co)
+
+  # The loss: chunks of the flattened global tokens; with several chunks each
+  # device computes a whole chunk's logits (partial sums over its D shard).
   e = dims.vocab_size / tp
-  gathered += e * dims.d_model * (a + F32 + (p if setup.param_shards > 1 else 0))
-
-  # Saved activations across layers.
-  dev_tok, host_tok = remat_saved_bytes_per_token(dims, setup)
-  saved = dims.num_layers * tokens * dev_tok
-  host = dims.num_layers * tokens * host_tok
-
-  # The layer in its backward pass: recomputed residuals and cotangents.
-  layer_tok = sum(
-    tensor_bytes_per_token(n, dims, setup) for n in LAYER_TENSORS if n not in ("mlpwi",)
-  )
-  mlp_tokens = b * min(t, setup.mlp_chunk_size or t)
-  f = dims.mlp_dim / tp
-  layer_backward = tokens * (layer_tok + _LAYER_BACKWARD_D * dims.d_model * a)
-  layer_backward += mlp_tokens * _LAYER_BACKWARD_F * f * a
-
-  attention = attention_buffer_bytes(dims, setup, rows=b)
-
-  # Loss: one chunk of the flattened local tokens at a time.
-  chunk = min(tokens, setup.loss_chunk_size or tokens)
-  loss = chunk * e * F32 * _LOSS_CHUNK_COPIES + tokens * dims.d_model * F32
+  chunk = setup.loss_chunk_size
+  rows = tokens if chunk is None or chunk >= setup.batch_size * setup.seq_len else chunk
+  loss = rows * e * co["loss_bytes_per_logit"] + e * dims.d_model / setup.param_shards * F32
 
   return Breakdown(
-    parameters=int(parameters),
-    optimizer_state=int(optimizer_state),
-    batch=int(batch),
-    gradients=int(gradients),
+    parameters=int(params * p),
+    optimizer_state=int(2 * params * p),
+    batch=int(BATCH_ARRAYS * tokens * INT32),
+    gradients=int(params * p),
+    saved_activations=int(dims.num_layers * tokens * dev_tok),
     gathered_weights=int(gathered),
-    saved_activations=int(saved),
-    layer_backward=int(layer_backward),
+    layer_backward=int(layer),
+    mlp_backward=int(mlp),
     attention_buffers=int(attention),
     loss=int(loss),
-    host=int(host),
+    host=int(dims.num_layers * tokens * host_tok),
   )
 
 
-def attention_buffer_bytes(dims: ModelDims, setup: Setup, rows: int = 1) -> float:
-  """Per-device bytes attention adds while one layer runs backward, by strategy.
-
-  Beyond the layer's own q/k/v/out (counted in the layer's tensors).
-  """
-  a = setup.dtype_bytes
+def attention_buffer_bytes(
+  dims: ModelDims, setup: Setup, rows: int = 1, coefficients: Mapping[str, float] | None = None
+) -> float:
+  """Per-device bytes attention holds while one layer runs backward, by strategy."""
+  co = COEFFICIENTS if coefficients is None else {**COEFFICIENTS, **coefficients}
   tp = setup.axis("tensor")
   c, u = setup.axis("context"), setup.axis("context_ulysses")
   n = dims.num_heads / tp
   k = dims.num_kv_heads / tp if dims.num_kv_heads % tp == 0 else dims.num_kv_heads
-  h, v = dims.head_dim, dims.v_head_dim
+  hv = dims.head_dim + dims.v_head_dim
+  hv_lanes = lanes(dims.head_dim) + lanes(dims.v_head_dim)  # [..., H] arrays, lane-padded
   seq = setup.seq_len
   t = seq / (c * u)  # local tokens
-  qo = n * (h + v)  # q and out elements per token
-  kv = k * (h + v)  # k and v elements per token
   if setup.strategy in ("none", "all_gather"):
-    # The whole sequence's K/V (bf16, gathered, in block layout) and its f32
-    # gradient before the reduce-scatter; q/out/dout/dq of the local tokens.
-    per = seq * kv * (2 * a + 2 * F32) + t * qo * (a + F32)
+    # The whole sequence's K/V, and the local queries' q/out/dout/dq.
+    per = seq * k * hv * co["all_gather_bytes_per_kv_elem"]
+    per += t * n * hv * co["ulysses_bytes_per_elem"]
     heads_in_kernel = n
   elif setup.strategy == "ulysses":
-    # All-to-all'd q/k/v/out of N/P heads over the whole sequence (the same
-    # bytes as the local shard) and the kernel's f32 gradients.
-    per = t * (qo + kv) * (a + F32)
+    # After the all-to-all: N/P heads of the whole sequence, the same bytes
+    # as the local shard of all heads.
+    per = t * (n + k) * hv * co["ulysses_bytes_per_elem"]
     heads_in_kernel = n / c
   else:
-    # ring / usp: after usp's all-to-all a ring group's chunk of seq / c tokens
-    # with N/u heads: the same bytes as t tokens of N heads. K/V current + next
-    # (bf16), dK/dV travelling and arriving (f32), the f32 output and dQ
-    # accumulators, and the kernel's layout copies.
-    per = t * kv * (2 * a + 2 * F32) + t * qo * (a + 2 * F32)
+    # ring / usp (after usp's all-to-all, a ring group's chunk of N/u heads:
+    # again the same bytes as the local shard).
+    per = t * hv_lanes * (n * co["ring_bytes_per_q_elem"] + k * co["ring_bytes_per_kv_elem"])
+    if setup.strategy == "usp":
+      per += t * (n + k) * hv * co["usp_a2a_bytes_per_elem"]
     heads_in_kernel = n / u
-  # The kernel's per-block f32 score tiles (GQA groups folded into q rows).
-  blocks = _KERNEL_BLOCK_COPIES * heads_in_kernel * setup.block_q * setup.block_kv * F32
-  return rows * per + blocks
+  blocks = co["kernel_block_copies"] * heads_in_kernel * setup.block_q * setup.block_kv * F32
+  return rows * per * setup.dtype_bytes / 2 + blocks
 
 
 def fits(breakdown: Breakdown, hbm_bytes_per_device: int) -> bool:

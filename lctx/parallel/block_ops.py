@@ -60,6 +60,9 @@ class AttnConfig:
   # ring size P (lctx.parallel.zigzag). None: unknown, so kernels that mask on the
   # natural token index (splash) do not apply and blockwise runs instead.
   token_order: int | None = None
+  # ulysses / usp: run the all-to-all attention in this many head stages (UPipe,
+  # lctx/parallel/upipe.py); None or 1: all heads at once.
+  head_chunks: int | None = None
 
   def scale(self, head_dim: int) -> float:
     return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)

@@ -133,6 +133,7 @@ def make_attention_fn(
   block_q_bwd: int | None = None,
   block_kv_bwd: int | None = None,
   platform: str | None = None,
+  ulysses_head_chunks: int | None = None,
 ):
   """Builds the model's attention plug-in for one resolved strategy.
 
@@ -144,6 +145,8 @@ def make_attention_fn(
   on positions counting up by one along the natural order inside every segment,
   as the data pipeline makes them (other positions: kernel_backend='blockwise').
   `platform`: what the kernels' 'auto' picks for (None: the mesh devices').
+  `ulysses_head_chunks` (ulysses / usp): run attention in this many head stages
+  (UPipe, lctx/parallel/upipe.py); None or 1: all heads at once.
   Validation runs at trace time, before anything compiles.
   """
   platform = platform or mesh.devices.flat[0].platform
@@ -151,6 +154,11 @@ def make_attention_fn(
     raise ValueError(
       f"[unknown-strategy] context_parallel_strategy {strategy!r} is not "
       f"one of {STRATEGIES}; resolve 'auto' with choose_strategy first"
+    )
+  if (ulysses_head_chunks or 1) > 1 and strategy not in ("ulysses", "usp"):
+    raise ValueError(
+      f"[head-chunks] ulysses_head_chunks={ulysses_head_chunks} applies to the ulysses "
+      f"and usp strategies only, not {strategy!r}"
     )
 
   def attention_fn(
@@ -178,6 +186,7 @@ def make_attention_fn(
       token_order=None
       if load_balance is None
       else (zigzag_ring_size(mesh_shape(mesh)) if load_balance else 0),
+      head_chunks=ulysses_head_chunks,
     )
     return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
 
@@ -200,6 +209,7 @@ def context_attention(
   kernel_backend: str = "auto",
   block_q: int = 512,
   block_kv: int = 512,
+  ulysses_head_chunks: int | None = None,
 ):
   """Context-parallel attention on global arrays in natural token order.
 
@@ -210,6 +220,7 @@ def context_attention(
     strategy: 'all_gather' | 'ulysses' | 'ring' | 'usp' | 'auto'.
     load_balance: zigzag-reorder with ring size = context before, and undo it
       after (the training path instead gets pre-reordered batches).
+    ulysses_head_chunks: ulysses / usp head stages (UPipe; see make_attention_fn).
   Returns:
     out `[B, T, N, V]` in natural order.
   """
@@ -237,6 +248,7 @@ def context_attention(
     block_q=block_q,
     block_kv=block_kv,
     load_balance=load_balance,
+    ulysses_head_chunks=ulysses_head_chunks,
   )
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

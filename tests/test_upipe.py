@@ -1,0 +1,137 @@
+"""Head-chunked ulysses / usp (UPipe) equals the unchunked strategies; its working set
+is one stage's; the natural-order load-balanced call costs no O(T) per device.
+
+8 fake CPU devices (tests/conftest.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lctx.kernels import reference_attention
+from lctx.parallel.context import context_attention, make_attention_fn
+from lctx.parallel.upipe import stage_shape
+
+AUTO = jax.sharding.AxisType.Auto
+MESHES = {
+  "d2c4": ((2, 4), ("data", "context")),
+  "t2c4": ((2, 4), ("tensor", "context")),
+  "usp2x4": ((2, 4), ("context", "context_ulysses")),
+  "c8": ((8,), ("context",)),
+}
+
+
+def _mesh(name):
+  shape, names = MESHES[name]
+  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
+
+
+def _packed(b, t):
+  """Two documents and trailing padding in row 0, two documents in the last row."""
+  seg = np.ones((b, t), np.int32)
+  seg[0, t // 3 : t - t // 5] = 2
+  seg[0, t - t // 5 :] = 0
+  seg[-1, t // 2 :] = 2
+  pos = np.zeros((b, t), np.int32)
+  for r in range(b):
+    for i in range(1, t):
+      pos[r, i] = pos[r, i - 1] + 1 if seg[r, i] == seg[r, i - 1] else 0
+  return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def _qkvw(n, kh, b=2, t=32, h=16, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  return (
+    jax.random.normal(ks[0], (b, t, n, h)),
+    jax.random.normal(ks[1], (b, t, kh, h)),
+    jax.random.normal(ks[2], (b, t, kh, h)),
+    jax.random.normal(ks[3], (b, t, n, h)),
+  )
+
+
+@pytest.mark.parametrize(
+  "strategy,mesh_name,n,kh,chunks",
+  [
+    ("ulysses", "d2c4", 8, 8, 2),  # MHA: 2 heads per device, one per stage
+    ("ulysses", "d2c4", 16, 8, 4),  # GQA: 2 q stages share each kv head, 2 K/V groups
+    ("ulysses", "d2c4", 16, 4, 2),  # GQA: 2 q heads per stage, one K/V group of each
+    ("ulysses", "t2c4", 16, 8, 2),  # with tensor parallel heads
+    ("usp", "usp2x4", 8, 4, 2),  # usp: each stage is a ring over `context`
+    ("usp", "usp2x4", 16, 16, 4),
+  ],
+)
+def test_head_chunks_equal_unchunked_and_reference(strategy, mesh_name, n, kh, chunks):
+  mesh = _mesh(mesh_name)
+  q, k, v, w = _qkvw(n, kh)
+  seg, pos = _packed(q.shape[0], q.shape[1])
+  kw = dict(segment_ids=seg, positions=pos)
+  chunked = make_attention_fn(mesh, strategy, ulysses_head_chunks=chunks, block_q=8, block_kv=8)
+  plain = make_attention_fn(mesh, strategy, block_q=8, block_kv=8)
+
+  def ref(q, k, v):
+    return reference_attention(q, k, v, segment_ids=seg, q_positions=pos, kv_positions=pos)
+
+  out, vjp = jax.vjp(lambda *a: chunked(*a, **kw), q, k, v)
+  want, want_vjp = jax.vjp(lambda *a: plain(*a, **kw), q, k, v)
+  ref_out, ref_vjp = jax.vjp(ref, q, k, v)
+  np.testing.assert_allclose(out, want, atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
+  for name, a, b, c in zip("qkv", vjp(w), want_vjp(w), ref_vjp(w)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+    np.testing.assert_allclose(a, c, atol=5e-5, rtol=5e-5, err_msg=f"d{name} vs reference")
+
+
+def test_context_attention_takes_head_chunks():
+  mesh = _mesh("c8")
+  q, k, v, _ = _qkvw(16, 8, b=1, t=64)
+  out = context_attention(q, k, v, mesh=mesh, strategy="ulysses", ulysses_head_chunks=2)
+  want = reference_attention(q, k, v)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    ((8, 8, 4, 3), r"head_chunks \(3\) must divide the q heads per device .* = 2\)"),
+    ((16, 4, 4, 1), None),
+    ((24, 8, 2, 3), r"4 q heads per stage must be a multiple of the GQA group \(3"),
+    ((24, 4, 2, 3), r"4 q heads per stage must divide the GQA group \(6"),
+  ],
+)
+def test_stage_shape_rules(args, message):
+  if message is None:
+    assert stage_shape(*args) == (4, 1, 1)
+    return
+  with pytest.raises(ValueError, match=message):
+    stage_shape(*args)
+
+
+def test_head_chunks_only_for_all_to_all_strategies():
+  with pytest.raises(ValueError, match=r"\[head-chunks\].*not 'ring'"):
+    make_attention_fn(_mesh("c8"), "ring", ulysses_head_chunks=2)
+
+
+def _compiled_temp(fn, *shapes):
+  lowered = jax.jit(fn).lower(*shapes)
+  return lowered.compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("strategy,mesh_name", [("ulysses", "c8"), ("usp", "usp2x4")])
+def test_head_chunks_shrink_the_compiled_working_set(strategy, mesh_name):
+  # 64 q / 8 kv heads, 8192 tokens, the pure-JAX kernel: per device 8 q heads of
+  # the whole sequence at once unchunked (usp: 16 of half of it), one (two) per
+  # stage with 8 stages. What remains is the local [T/A, n] layout: q's stage-major
+  # copy, the output buffer and dq, each as large as all heads of the full sequence.
+  mesh = _mesh(mesh_name)
+  b, t, n, kh, h = 1, 8192, 64, 8, 64
+  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32)
+  kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.float32)
+
+  def temp(chunks):
+    attn = make_attention_fn(mesh, strategy, ulysses_head_chunks=chunks, kernel_backend="blockwise")
+    return _compiled_temp(jax.grad(lambda q, k, v: attn(q, k, v).sum(), (0, 1, 2)), q, kv, kv)
+
+  plain, chunked = temp(None), temp(8)
+  print(f"{strategy}: compiled temp {plain / 2**20:.1f} MiB unchunked, {chunked / 2**20:.1f} MiB")
+  assert chunked < 0.85 * plain, (plain, chunked)

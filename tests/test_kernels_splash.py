@@ -1,0 +1,375 @@
+"""Splash attention (TPU Pallas) on CPU through the Pallas interpreter, and compiled
+for TPU slices on libtpu's compile-only devices.
+
+Values and q/k/v gradients against `reference_attention`: the differentiable call
+(lse and lse cotangents), the ring block API (a visiting zigzag block; the backward
+against the GLOBAL out/lse), and every context-parallel strategy on the 8-device
+CPU mesh with `kernel_backend='splash'` (zigzag load balancing, packing with
+padding, windows, GQA, MQA). The interpreter is slow: the default run keeps a few
+small cases; the strategy matrix is marked slow. The TPU compiles check that the
+train step calls the Mosaic kernel and traces no blockwise kernel in attention.
+"""
+
+import logging
+import os
+
+# Read when libtpu loads (the first topology call), so before any test runs.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+import gin  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from lctx import compile as compile_lib  # noqa: E402
+from lctx import configs, gin_utils  # noqa: E402
+from lctx.kernels import flash, reference_attention, splash  # noqa: E402
+from lctx.parallel import mesh as mesh_lib  # noqa: E402
+from lctx.parallel.context import context_attention, make_attention_fn  # noqa: E402
+from lctx.parallel.zigzag import zigzag_reorder  # noqa: E402
+from lctx.trainer import Trainer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AUTO = jax.sharding.AxisType.Auto
+MESHES = {
+  "c8": ((8,), ("context",)),
+  "d2c4": ((2, 4), ("data", "context")),
+  "t2c4": ((2, 4), ("tensor", "context")),
+  "usp2x4": ((2, 4), ("context", "context_ulysses")),
+  "usp4x2": ((4, 2), ("context", "context_ulysses")),
+}
+# (q heads N, kv heads K, head dim H, value dim V)
+HEADS = {
+  "mha": (8, 8, 16, 16),
+  "gqa": (8, 4, 16, 16),
+  "mqa": (8, 1, 16, 16),
+  "mla": (4, 4, 24, 16),
+}
+
+
+def _packed(b, t):
+  """Segment ids (row 0: two documents then padding; row 1: two documents) and
+  positions restarting at every document, as the data pipeline makes them."""
+  seg = np.ones((b, t), np.int32)
+  seg[0, t // 3 :] = 2
+  seg[0, t - t // 5 :] = 0
+  seg[-1, t // 2 :] = 2
+  pos = np.zeros((b, t), np.int32)
+  for r in range(b):
+    for i in range(1, t):
+      pos[r, i] = pos[r, i - 1] + 1 if seg[r, i] == seg[r, i - 1] else 0
+  return seg, np.where(seg > 0, pos, 0)
+
+
+def _qkv(heads, b, t, s=None, seed=0):
+  n, kh, h, vd = HEADS[heads]
+  ks = jax.random.split(jax.random.key(seed), 3)
+  s = t if s is None else s
+  return (
+    jax.random.normal(ks[0], (b, t, n, h)),
+    jax.random.normal(ks[1], (b, s, kh, h)),
+    jax.random.normal(ks[2], (b, s, kh, vd)),
+  )
+
+
+def _close(got, want, atol, name=""):
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=atol, err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# The layout and the kernel on one device
+# ---------------------------------------------------------------------------
+
+
+def test_token_order_is_the_zigzag_order():
+  """TokenOrder.natural maps a zigzag array index to the token the reorder put there."""
+  for z, length in ((1, 8), (4, 64), (3, 36)):
+    nat = np.asarray(splash.TokenOrder(length, z).natural(jnp.arange(length)))
+    np.testing.assert_array_equal(nat, zigzag_reorder(np.arange(length)[None], z)[0])
+  assert np.array_equal(splash.TokenOrder(16).natural(np.arange(16)), np.arange(16))
+
+
+def test_differentiable_call_with_lse_matches_reference():
+  """flash_attention(backend='splash') on CPU (interpreted): causal sliding window,
+  GQA, packed rows with padding, explicit positions through a natural-order layout;
+  out, lse and the q/k/v gradients of a loss on both (lse cotangents)."""
+  b, t = 2, 256
+  q, k, v = _qkv("gqa", b, t)
+  seg, pos = _packed(b, t)
+  kw = dict(segment_ids=seg, q_positions=pos, kv_positions=pos, window_size=100, return_lse=True)
+  layout = splash.Layout(splash.TokenOrder(t))
+
+  def fn(q, k, v):
+    return flash.flash_attention(
+      q, k, v, backend="splash", block_q=128, block_kv=128, layout=layout, **kw
+    )
+
+  (out, lse), vjp = jax.vjp(jax.jit(fn), q, k, v)
+  (ro, rl), rvjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, **kw), q, k, v)
+  _close(out, ro, 2e-5, "out")
+  _close(lse, rl, 2e-5, "lse")
+  assert np.all(np.asarray(out)[0, t - t // 5 :] == 0)  # padding sees nothing
+  w = jax.random.normal(jax.random.key(1), out.shape)
+  wl = jax.random.normal(jax.random.key(2), lse.shape)
+  for name, a, r in zip("qkv", vjp((w, wl)), rvjp((w, wl))):
+    _close(a, r, 5e-5, "d" + name)
+
+
+def test_ring_block_api_on_a_visiting_zigzag_block():
+  """The ring's block steps on splash: device 1 of a zigzag ring of 2 holds chunks
+  1 and 2 of 4; it sees its own block and the visiting block of device 0 (chunks
+  0 and 3). Per-block (out, lse) merged equal the reference over both blocks; the
+  block backward against the merged (global) out/lse, summed over blocks, equals
+  the reference gradients."""
+  order = splash.TokenOrder(1024, 2)
+  b, t = 2, 512
+  q, k, v = _qkv("mqa", b, 1024)
+  seg, pos = _packed(b, 1024)
+  zz = lambda x: zigzag_reorder(x, 2, axis=1)  # noqa: E731
+  q, k, v, seg, pos = zz(q)[:, t:], zz(k), zz(v), zz(seg), zz(pos)
+  blocks = [(t, slice(t, 2 * t)), (0, slice(0, t))]  # (kv start, rows): own, visiting
+  kw = dict(causal=True, window_size=300, softmax_scale=None, block_q=128, block_kv=128)
+
+  def block_kw(start, rows):
+    return dict(
+      q_segment_ids=seg[:, t:],
+      kv_segment_ids=seg[:, rows],
+      q_positions=pos[:, t:],
+      kv_positions=pos[:, rows],
+      layout=splash.Layout(order, jnp.int32(t), jnp.int32(start)),
+      backend="splash",
+      platform="cpu",
+      **kw,
+    )
+
+  def fwd(s, r):
+    f = lambda q, k, v: flash.attention_block_forward(q, k, v, **block_kw(s, r))  # noqa: E731
+    return jax.jit(f)(q, k[:, r], v[:, r])
+
+  parts = [fwd(s, r) for s, r in blocks]
+  (o1, l1), (o2, l2) = parts
+  lse = jnp.logaddexp(l1, l2)
+  out = sum(o * jnp.exp(li - lse).transpose(0, 2, 1)[..., None] for o, li in parts)
+
+  def ref(q, k, v):
+    return reference_attention(
+      q,
+      k,
+      v,
+      segment_ids=(seg[:, t:], seg),
+      q_positions=pos[:, t:],
+      kv_positions=pos,
+      causal=True,
+      window_size=300,
+      return_lse=True,
+    )
+
+  (ro, rl), rvjp = jax.vjp(ref, q, k, v)
+  _close(out, ro, 2e-5, "out")
+  _close(lse, rl, 2e-5, "lse")
+  w = jax.random.normal(jax.random.key(3), out.shape)
+  rdq, rdk, rdv = rvjp((w, jnp.zeros_like(rl)))
+
+  def bwd(s, r):
+    f = lambda *a: flash.attention_block_backward(*a, **block_kw(s, r))  # noqa: E731
+    return jax.jit(f)(q, k[:, r], v[:, r], out, lse, w)
+
+  dq = 0
+  for s, r in blocks:
+    dqb, dkb, dvb = bwd(s, r)
+    dq = dq + dqb
+    _close(dkb, rdk[:, r], 5e-5, f"dk rows {r}")
+    _close(dvb, rdv[:, r], 5e-5, f"dv rows {r}")
+  _close(dq, rdq, 5e-5, "dq")
+
+
+def test_explicit_splash_refuses_and_auto_falls_back_with_one_log(caplog):
+  q, k, v = _qkv("gqa", 1, 128)
+  pos = np.arange(128)[None]
+  with pytest.raises(ValueError, match="backend='splash'.*token layout"):
+    flash.flash_attention(q, k, v, backend="splash", q_positions=pos, kv_positions=pos)
+  q96, k96, v96 = _qkv("gqa", 1, 96)
+  with pytest.raises(ValueError, match="backend='splash'.*multiples of 128"):
+    flash.flash_attention(q96, k96, v96, backend="splash", platform="cpu")
+  with pytest.raises(ValueError, match="backend='splash'.*zigzag chunks"):
+    layout = splash.Layout(splash.TokenOrder(4096, 8), 0, 0)  # 256-token chunks
+    flash.attention_block_forward(
+      q,
+      *_qkv("gqa", 1, 128, 384)[1:],
+      q_segment_ids=None,
+      kv_segment_ids=None,
+      q_positions=pos,
+      kv_positions=np.arange(384)[None],
+      causal=True,
+      window_size=None,
+      softmax_scale=None,
+      block_q=128,
+      block_kv=128,
+      backend="splash",
+      layout=layout,
+    )
+  flash._FALLBACKS_LOGGED.clear()  # pylint: disable=protected-access
+  with caplog.at_level(logging.WARNING):
+    for _ in range(3):
+      got = flash.choose_backend(q, k, v, platform="tpu", positions_given=True)
+      assert got == "blockwise"
+  assert len([r for r in caplog.records if "not splash" in r.getMessage()]) == 1
+  layout = splash.Layout(splash.TokenOrder(128))
+  assert flash.choose_backend(q, k, v, platform="tpu", positions_given=True, layout=layout) == (
+    "splash"
+  )
+  assert flash.choose_backend(q, k, v, platform="cpu", layout=layout) != "splash"
+
+
+# ---------------------------------------------------------------------------
+# Strategies on the 8-device CPU mesh
+# ---------------------------------------------------------------------------
+
+
+def _strategy_case(strategy, mesh_name, heads, t, lb, window=None, causal=True):
+  shape, names = MESHES[mesh_name]
+  mesh = jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
+  b = 2
+  q, k, v = _qkv(heads, b, t)
+  seg, pos = _packed(b, t)
+  kw = dict(segment_ids=seg, causal=causal, window_size=window)
+
+  def fn(q, k, v):
+    return context_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      strategy=strategy,
+      positions=pos,
+      load_balance=lb,
+      kernel_backend="splash",
+      block_q=128,
+      block_kv=128,
+      **kw,
+    )
+
+  out, vjp = jax.vjp(fn, q, k, v)
+  ro, rvjp = jax.vjp(
+    lambda q, k, v: reference_attention(q, k, v, q_positions=pos, kv_positions=pos, **kw), q, k, v
+  )
+  _close(out, ro, 2e-5, "out")
+  w = jax.random.normal(jax.random.key(4), out.shape)
+  for name, a, r in zip("qkv", vjp(w), rvjp(w)):
+    _close(a, r, 5e-5, "d" + name)
+
+
+def test_ring_train_path_on_splash():
+  """The train-step plug-in on a batch already in zigzag order: ring over 8
+  devices, each hop cut into 2 x 2 pieces, GQA, packed rows, a window."""
+  shape, names = MESHES["c8"]
+  mesh = jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
+  b, t = 2, 2048
+  q, k, v = _qkv("gqa", b, t)
+  seg, pos = _packed(b, t)
+  kw = dict(segment_ids=seg, positions=pos, window_size=400)
+  attn = make_attention_fn(
+    mesh, "ring", load_balance=True, sub_chunks=2, kernel_backend="splash", block_q=128
+  )
+  zz = lambda x: zigzag_reorder(x, 8, axis=1)  # noqa: E731
+  kwz = {n: zz(x) if n != "window_size" else x for n, x in kw.items()}
+  out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, **kwz), zz(q), zz(k), zz(v))
+
+  def ref(q, k, v):
+    return zz(
+      reference_attention(
+        q, k, v, segment_ids=seg, q_positions=pos, kv_positions=pos, window_size=400
+      )
+    )
+
+  ro, rvjp = jax.vjp(ref, q, k, v)
+  _close(out, ro, 2e-5, "out")
+  w = jax.random.normal(jax.random.key(5), out.shape)
+  for name, a, r in zip("qkv", vjp(w), rvjp(w)):
+    _close(zz(r), a, 5e-5, "d" + name)
+
+
+SLOW_CASES = [
+  # strategy, mesh, heads, global length, load balance, window, causal
+  ("ring", "c8", "gqa", 2048, True, None, True),
+  ("ring", "c8", "mqa", 2048, True, 300, True),
+  ("ring", "d2c4", "mla", 1024, False, None, True),
+  ("ring", "c8", "gqa", 1024, False, 200, False),
+  ("usp", "usp2x4", "gqa", 2048, True, None, True),
+  ("usp", "usp4x2", "mha", 2048, True, 500, True),
+  ("all_gather", "c8", "gqa", 2048, True, None, True),
+  ("all_gather", "c8", "mqa", 2048, True, 300, True),
+  ("all_gather", "t2c4", "mqa", 1024, False, None, True),
+  ("ulysses", "c8", "mha", 1024, False, None, True),
+  ("ulysses", "t2c4", "mha", 1024, False, 200, True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,mesh_name,heads,t,lb,window,causal", SLOW_CASES)
+def test_strategy_on_splash_matches_reference(strategy, mesh_name, heads, t, lb, window, causal):
+  _strategy_case(strategy, mesh_name, heads, t, lb, window, causal)
+
+
+# ---------------------------------------------------------------------------
+# Compiled for TPU (libtpu compile-only devices)
+# ---------------------------------------------------------------------------
+
+TINY = [
+  "ModelConfig.vocab_size = 384",
+  "ModelConfig.d_model = 128",
+  "ModelConfig.num_layers = 2",
+  "ModelConfig.num_heads = 4",
+  "ModelConfig.num_kv_heads = 2",
+  "ModelConfig.head_dim = 128",
+  "ModelConfig.mlp_dim = 384",
+  "ModelConfig.mlp_chunk_size = None",
+  "TrainConfig.seq_len = 4096",
+  "TrainConfig.loss_chunk_size = 1024",
+]
+FLAGSHIPS = {
+  "gin/ring_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
+  "gin/allgather_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
+  "gin/ulysses_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
+  "gin/usp_ironwood.gin": (
+    "tpu7x:2x2x1",
+    ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2", "TrainConfig.batch_size = 1"],
+  ),
+}
+
+
+def _compiled_train_step(path, monkeypatch):
+  """HLO of the flagship's train step with a tiny model on a small slice of its
+  kind, with every blockwise kernel entry made to fail if attention traces it."""
+  topology, mesh_params = FLAGSHIPS[path]
+  gin.clear_config()
+  gin_utils.parse([path], [*TINY, *mesh_params], [ROOT])
+  exp = configs.experiment()
+  gin.clear_config()
+
+  def no_blockwise(*a, **k):
+    raise AssertionError("attention traced the blockwise kernel")
+
+  for name in ("blockwise_attention", "blockwise_block_forward", "blockwise_block_backward"):
+    monkeypatch.setattr(flash, name, no_blockwise)
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices(topology))
+  # Mosaic takes bf16 matmuls at default precision only; conftest sets 'highest'.
+  with jax.default_matmul_precision("default"):
+    return Trainer(exp.model, exp.train, mesh).lower_train_step().compile().as_text()
+
+
+def test_ring_flagship_compiles_with_splash_for_tpu(monkeypatch):
+  hlo = _compiled_train_step("gin/ring_v5p.gin", monkeypatch)
+  assert compile_lib.attention_backend_of(hlo) == "splash"
+  assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # fwd, dkv, dq
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "path", ["gin/allgather_v5p.gin", "gin/ulysses_v5p.gin", "gin/usp_ironwood.gin"]
+)
+def test_flagship_compiles_with_splash_for_tpu(path, monkeypatch):
+  hlo = _compiled_train_step(path, monkeypatch)
+  assert compile_lib.attention_backend_of(hlo) == "splash"

@@ -36,9 +36,9 @@ INSTALL_HINT = (
 )
 # The compiler's own HBM check: "Ran out of memory on HBM, the total memory
 # required for HLO temporaries (97.88G) exceeds available HBM (95.74G)." G is
-# GiB. The first figure is the whole program's (arguments + outputs - aliased
+# GiB (T, TiB, past 1024 G). The first figure is the whole program's (arguments + outputs - aliased
 # + temporaries), not temporaries alone.
-_HBM_OOM = re.compile(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+_HBM_OOM = re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 # Other RESOURCE_EXHAUSTED phrasings: "Used 120.5G of 95.74G hbm."
 _USED_OF = re.compile(r"Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? hbm", re.I)
@@ -142,20 +142,30 @@ def _memory(compiled) -> dict[str, int]:
   return per_device
 
 
-def _allocated(dump_dir: str) -> dict[str, int]:
+_LARGEST = 8  # largest HBM slots reported
+
+
+def _allocated(dump_dir: str) -> dict[str, Any]:
   """What the executable really allocates, from XLA's buffer-assignment dump.
 
   `hbm_bytes`: every HBM allocation (arguments, the temporary heap, constants),
   the "Total bytes" of the default memory space in the memory-usage report;
   `temp_bytes`: the preallocated temporary heap in HBM. This is the figure the
-  compiler's own out-of-memory check measures (README "Will it fit?").
+  compiler's own out-of-memory check measures (README "Will it fit?");
+  `largest_buffers`: the largest slots of that memory and the values sharing
+  them (the report is written even when the compile runs out of memory).
   """
   out = {}
   for path in glob.glob(os.path.join(dump_dir, "*train_step*memory-usage-report.txt")):
     with open(path) as f:
-      m = re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", f.read(4096))
+      report = f.read(1 << 16)
+    m = re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", report)
     if m:
       out["hbm_bytes"] = int(m.group(1))
+    # The largest HBM slots: "cumulative; size; offset; n_values; shapes".
+    hbm = report.split("Memory Space:")[1] if "Memory Space:" in report else ""
+    rows = re.findall(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+\w+);\s*\d+;\s*\d+; (.*)$", hbm, re.M)
+    out["largest_buffers"] = [f"{size}: {shapes[:200]}" for size, shapes in rows[:_LARGEST]]
   for path in glob.glob(os.path.join(dump_dir, "*train_step*buffer-assignment.txt")):
     with open(path) as f:
       for line in f:
@@ -167,10 +177,7 @@ def _allocated(dump_dir: str) -> dict[str, int]:
 
 def _oom_bytes(message: str) -> tuple[int | None, int | None]:
   """(needed, available) bytes per device from a RESOURCE_EXHAUSTED message."""
-  m = _HBM_OOM.search(message)
-  if m:
-    return int(float(m.group(1)) * GiB), int(float(m.group(2)) * GiB)
-  m = _USED_OF.search(message)
+  m = _HBM_OOM.search(message) or _USED_OF.search(message)
   if m:
     return (
       int(float(m.group(1)) * _UNITS[m.group(2).upper()]),
@@ -249,6 +256,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   try:
     compiled = trainer.lower_train_step().compile(compiler_options=dump)
   except jax.errors.JaxRuntimeError as err:
+    allocated = _allocated(dump_dir)
     shutil.rmtree(dump_dir, ignore_errors=True)
     message = str(err)
     if "RESOURCE_EXHAUSTED" not in message:
@@ -263,6 +271,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
     )
     # The compiler's figure for the whole program (see _HBM_OOM).
     record["per_device"]["total_bytes"] = needed
+    record["largest_buffers"] = allocated.get("largest_buffers", [])
     return record
   record["compile_seconds"] = round(time.perf_counter() - t0, 1)
   allocated = _allocated(dump_dir)
@@ -278,6 +287,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   record["fits"] = hbm_ok and host_ok
   record["allocated_hbm_bytes_per_device"] = allocated.get("hbm_bytes")
   record["allocated_temp_bytes_per_device"] = allocated.get("temp_bytes")
+  record["largest_buffers"] = allocated.get("largest_buffers", [])
   if not hbm_ok:
     record["notes"].append(
       "the compiler accepted this program (its own HBM check passed), yet memory_analysis() "
@@ -338,6 +348,9 @@ def summary(record: dict[str, Any]) -> str:
     ]
   else:
     lines.append(f"  compiler: {r.get('error')}")
+  if r.get("largest_buffers"):
+    lines.append("  largest HBM slots per device (size: the values sharing it):")
+    lines += [f"    {row}" for row in r["largest_buffers"][:5]]
   lines.append(f"  compiler ran {r['compile_seconds']} s")
   lines += [f"  note: {n}" for n in r["notes"]]
   if r["fits"]:

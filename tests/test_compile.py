@@ -1,0 +1,324 @@
+"""`--mode=compile`: the train step compiled by the real TPU compiler, no TPU needed.
+
+libtpu (from the test extras) describes TPU slices as compile-only devices;
+these tests use small slices ('v5p:2x2x1' = 4 devices, 'tpu7x:2x2x1' = 8) and
+tiny models, so each compile takes seconds. The full-size compiles of the gin
+files are measured by hand and recorded in their headers.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+# Read when libtpu loads (the first topology call), so before any test runs.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+import gin  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from lctx import compile as compile_lib  # noqa: E402
+from lctx import configs, gin_utils, hardware, kernels  # noqa: E402
+from lctx import train as train_lib  # noqa: E402
+from lctx.parallel import mesh as mesh_lib  # noqa: E402
+from lctx.trainer import Trainer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2**30
+
+# The tiny model in the gin files' own dtypes (bf16 compute, f32 master weights).
+TINY = [
+  "ModelConfig.vocab_size = 384",
+  "ModelConfig.d_model = 128",
+  "ModelConfig.num_layers = 2",
+  "ModelConfig.num_heads = 4",
+  "ModelConfig.num_kv_heads = 2",
+  "ModelConfig.head_dim = 32",
+  "ModelConfig.mlp_dim = 384",
+  "ModelConfig.mlp_chunk_size = None",
+  "TrainConfig.seq_len = 4096",
+  "TrainConfig.loss_chunk_size = 1024",
+  "TrainConfig.attention_block_q = 512",
+  "TrainConfig.attention_block_kv = 512",
+]
+# Each TPU gin file on a small slice of its own kind, every mesh axis it uses
+# kept above 1.
+SMALL_SLICE = {
+  "gin/ring_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
+  "gin/allgather_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
+  "gin/ulysses_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
+  "gin/usp_ironwood.gin": (
+    "tpu7x:2x2x1",
+    ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2", "TrainConfig.batch_size = 1"],
+  ),
+}
+RECORD_KEYS = {
+  "topology",
+  "num_slices",
+  "device_kind",
+  "devices",
+  "devices_per_chip",
+  "batch_size",
+  "seq_len",
+  "tokens_per_step",
+  "strategy",
+  "attention_backend",
+  "per_device",
+  "hbm_bytes_per_device",
+  "host_bytes_per_vm",
+  "host_ram_bytes_per_vm",
+  "fits",
+  "compile_seconds",
+}
+PER_DEVICE_KEYS = {
+  "argument_bytes",
+  "output_bytes",
+  "alias_bytes",
+  "temp_bytes",
+  "total_bytes",
+  "host_bytes",
+}
+
+
+@pytest.fixture(autouse=True)
+def _tpu_matmul_precision():
+  """TPU runs use the default matmul precision; conftest's 'highest' (for CPU
+  numerics) makes Mosaic refuse splash's bf16 matmuls ('Bad lhs type')."""
+  with jax.default_matmul_precision("default"):
+    yield
+
+
+def _experiment(path, params=()):
+  gin.clear_config()
+  gin_utils.parse([path], list(params), [ROOT])
+  exp = configs.experiment()
+  gin.clear_config()
+  return exp
+
+
+def _topology_of(path):
+  """The topology a gin file's header names ('... --compile_topology=v5p:4x4x4')."""
+  with open(os.path.join(ROOT, path)) as f:
+    m = re.search(r"--compile_topology=(\S+)", f.read(4000))
+  assert m, f"{path}: the header must give the --mode=compile command it was measured with"
+  return m.group(1)
+
+
+@pytest.mark.parametrize("path", sorted(SMALL_SLICE))
+def test_tpu_gin_file_compiles_for_its_kind(path, tmp_path, capsys):
+  """Each TPU gin file through `--mode=compile` (train.run) on a small slice of
+  the kind its header names: its strategy and mesh axes, a tiny model in the
+  gin file's dtypes; compile.json holds every key of the record."""
+  topology, mesh_params = SMALL_SLICE[path]
+  assert topology.split(":")[0] == _topology_of(path).split(":")[0]
+  exp = _experiment(path, [*TINY, *mesh_params])
+  record = train_lib.run("compile", str(tmp_path), exp, compile_topology=topology)
+  with open(tmp_path / "compile.json") as f:
+    saved = json.load(f)
+  assert saved == json.loads(json.dumps(record))
+  assert set(saved) >= RECORD_KEYS and set(saved["per_device"]) == PER_DEVICE_KEYS
+  accel = hardware.topology_accelerator(topology)
+  chips = hardware.topology_chips(topology)
+  assert saved["fits"] is True, saved
+  assert saved["topology"] == topology and saved["num_slices"] == 1
+  assert saved["device_kind"] == {"v5p": "TPU v5", "tpu7x": "TPU7x"}[accel.name]
+  assert saved["devices"] == chips * accel.devices_per_chip
+  assert saved["devices_per_chip"] == accel.devices_per_chip
+  b, t = exp.train.batch_size, exp.train.seq_len
+  assert (saved["batch_size"], saved["seq_len"], saved["tokens_per_step"]) == (b, t, b * t)
+  assert saved["strategy"] == exp.train.context_parallel_strategy
+  used = {a for a, size in saved["mesh"].items() if size > 1}
+  assert used == {a for a, size in exp.mesh.ici_shape().items() if size > 1}
+  # 'auto' on TPU devices from this CPU host: the TPU kernel.
+  assert saved["attention_backend"] == "splash"
+  d = saved["per_device"]
+  assert d["total_bytes"] == (
+    d["argument_bytes"] + d["output_bytes"] - d["alias_bytes"] + d["temp_bytes"]
+  )
+  # Arguments hold this device's shards of the train state (params, Adam moments).
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices(topology))
+  state = Trainer(exp.model, exp.train, mesh).abstract_state
+  state_bytes = sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
+  )
+  assert d["argument_bytes"] >= state_bytes
+  assert d["alias_bytes"] > 0 and d["temp_bytes"] > 0  # donated state; activations
+  # What the executable allocates (buffer assignment): the arguments and a heap
+  # no larger than memory_analysis' temporaries.
+  assert saved["allocated_hbm_bytes_per_device"] >= d["argument_bytes"]
+  assert 0 < saved["allocated_temp_bytes_per_device"] <= d["temp_bytes"]
+  assert d["host_bytes"] == 0 and saved["host_bytes_per_vm"] == 0
+  assert saved["hbm_bytes_per_device"] == accel.hbm_bytes_per_device
+  assert saved["host_ram_bytes_per_vm"] == accel.host_ram_bytes_per_host
+  assert saved["compile_seconds"] > 0
+  out = capsys.readouterr().out
+  assert f"strategy {saved['strategy']}" in out and "\nfits: " in out
+  assert "does not fit" not in out
+
+
+def test_too_long_a_sequence_does_not_fit(tmp_path):
+  """main.py end to end: the compiler's OOM is a result, with a non-zero exit code."""
+  params = [
+    "include 'gin/models/tiny.gin'",
+    "ModelConfig.dtype = 'bfloat16'",
+    "ModelConfig.mlp_chunk_size = None",
+    "MeshConfig.fsdp = 1",
+    "MeshConfig.context = 4",
+    "TrainConfig.batch_size = 1",
+    # 8M tokens per device with whole-row logits (f32, vocab 384): 12 GiB of
+    # logits alone, more than v5e's 15.75 GiB with their gradient.
+    "TrainConfig.loss_chunk_size = None",
+    f"TrainConfig.seq_len = {2**25}",
+  ]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "main.py"),
+    "--mode=compile",
+    "--gin_file=gin/ring_v5p.gin",
+    "--compile_topology=v5e:2x2",
+    f"--workdir={tmp_path}",
+    *[f"--gin_param={p}" for p in params],
+  ]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode != 0, out[-3000:]
+  m = re.search(r"does not fit: needs ([\d.]+) GiB of ([\d.]+) GiB per device", proc.stdout)
+  assert m, out[-3000:]
+  assert float(m.group(2)) == 15.75 and float(m.group(1)) > 15.75
+  assert "Traceback" not in out
+  with open(tmp_path / "compile.json") as f:
+    record = json.load(f)
+  assert record["fits"] is False and record["tokens_per_step"] == 2**25
+  assert set(record) >= RECORD_KEYS and set(record["per_device"]) == PER_DEVICE_KEYS
+  assert record["per_device"]["total_bytes"] > record["hbm_bytes_per_device"]
+  assert os.path.exists(tmp_path / "config.gin")
+
+
+@pytest.mark.parametrize("path", sorted(SMALL_SLICE))
+def test_tpu_gin_file_mesh_matches_its_slice(path):
+  """The gin file's own mesh takes exactly the devices of the slice it names."""
+  exp = _experiment(path)
+  topology = _topology_of(path)
+  accel = hardware.topology_accelerator(topology)
+  devices = hardware.topology_chips(topology) * accel.devices_per_chip
+  shape = mesh_lib.resolve_mesh_shape(exp.mesh, devices)
+  assert shape["context"] * shape["context_ulysses"] > 1
+  assert exp.train.device_memory_gib * GiB <= accel.hbm_bytes_per_device
+
+
+@pytest.mark.parametrize("kind", ["v5p:2x2x1", "v5e:2x2", "v6e:2x2", "tpu7x:2x2x1"])
+def test_hbm_table_is_what_the_compiler_enforces(kind):
+  """An oversized program's RESOURCE_EXHAUSTED names the HBM per device; the
+  hardware table must hold that figure."""
+  devices = compile_lib.topology_devices(kind)
+  sharding = NamedSharding(Mesh(devices[:1], ("x",)), P())
+  x = jax.ShapeDtypeStruct((300_000,), jnp.float32, sharding=sharding)
+  outer_sorted = jax.jit(lambda x: jnp.sort(x[:, None] * x[None, :], axis=0)[0])
+  with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as err:
+    outer_sorted.lower(x).compile()
+  needed, available = compile_lib._oom_bytes(str(err.value))  # pylint: disable=protected-access
+  assert needed > available
+  table = hardware.topology_accelerator(kind).hbm_bytes_per_device
+  assert abs(available - table) < 0.01 * GiB, (kind, available / GiB, table / GiB)
+
+
+def test_oom_figures_are_read_in_their_units():
+  read = compile_lib._oom_bytes  # pylint: disable=protected-access
+  assert read("temporaries (97.88G) exceeds available HBM (95.74G).") == (
+    int(97.88 * GiB),
+    int(95.74 * GiB),
+  )
+  assert read("temporaries (1.57T) exceeds available HBM (15.75G).")[0] == int(1.57 * 2**40)
+  assert read("something else") == (None, None)
+
+
+def test_attention_backend_is_read_from_the_compiled_module():
+  assert compile_lib.attention_backend_of(
+    '%splash_mha_fwd.1 = custom_call_target="tpu_custom_call"'
+  )
+  assert (
+    compile_lib.attention_backend_of(
+      '%x = f32[] custom-call(), custom_call_target="tpu_custom_call"'
+    )
+    == "blockwise"
+  )
+  assert compile_lib.attention_backend_of('custom_call_target="lctx_cpu_attention_fwd"') == "cpu"
+  assert compile_lib.attention_backend_of("%add.1 = f32[] add()", "xla") == "xla"
+
+
+def test_auto_takes_the_tpu_kernel_for_tpu_devices():
+  """`auto` decides by the platform the call compiles for, not by this host's
+  default backend (CPU here): splash on TPU devices."""
+  devices = compile_lib.topology_devices("v5p:2x2x1")
+  sharding = NamedSharding(Mesh(devices[:1], ("x",)), P())
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16, sharding=sharding)
+  kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16, sharding=sharding)
+
+  def loss(q, k, v):
+    out = kernels.flash_attention(q, k, v, backend="auto", platform="tpu")
+    return out.astype(jnp.float32).sum()
+
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+  assert compile_lib.attention_backend_of(hlo) == "splash"
+
+
+def test_auto_never_takes_the_cpu_kernel_on_a_tpu_mesh():
+  """A float32 model (the fused CPU kernel's dtype) on TPU devices from this CPU
+  host: the plan reads the platform from the mesh, and the step compiles for
+  TPU with no call into the CPU-only kernel (strategy 'none' passes explicit
+  positions without a token layout, so splash passes and blockwise runs)."""
+  exp = _experiment(
+    "gin/ring_v5p.gin",
+    [
+      *TINY,
+      "ModelConfig.dtype = 'float32'",
+      "MeshConfig.fsdp = 4",
+      "MeshConfig.context = 1",
+      "TrainConfig.batch_size = 4",
+      "TrainConfig.context_parallel_strategy = 'auto'",
+    ],
+  )
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices("v5p:2x2x1"))
+  trainer = Trainer(exp.model, exp.train, mesh)
+  assert jax.default_backend() == "cpu" and trainer.plan.platform == "tpu"
+  assert trainer.strategy == "none"
+  hlo = trainer.lower_train_step().compile().as_text()
+  assert "lctx_cpu_attention" not in hlo
+  assert compile_lib.attention_backend_of(hlo) == "blockwise"
+
+
+def test_slices_are_data_parallel_over_dcn():
+  """Two slices: the data axis crosses them, every other axis stays inside one."""
+  exp = _experiment("gin/ring_v5p.gin", ["MeshConfig.fsdp = 1", "MeshConfig.context = 4"])
+  devices = compile_lib.topology_devices("v5p:2x2x1", num_slices=2)
+  cfg, note = compile_lib._mesh_config(exp, "v5p:2x2x1", 2)  # pylint: disable=protected-access
+  assert cfg.dcn_data == 2 and "dcn_data = 2" in note
+  mesh = mesh_lib.make_mesh(cfg, devices=devices)
+  assert mesh_lib.mesh_shape(mesh)["data"] == 2
+  slices = [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)]
+  assert slices == [{0}, {1}] or slices == [{1}, {0}]
+  fsdp = dataclasses.replace(exp.mesh, dcn_fsdp=3)
+  with pytest.raises(ValueError, match="3 slices, but --compile_topology_num_slices=2"):
+    compile_lib._mesh_config(dataclasses.replace(exp, mesh=fsdp), "v5p:2x2x1", 2)  # pylint: disable=protected-access
+
+
+def test_compile_errors_name_the_problem():
+  exp = _experiment("gin/usp_ironwood.gin", [*TINY])
+  # 64 devices of v5p cannot take usp_ironwood's 16 x 8 mesh.
+  with pytest.raises(ValueError, match=r"v5p:4x4x4 \(64 devices\).*multiply to 128"):
+    compile_lib.compile_step(exp, topology="v5p:4x4x4")
+  with pytest.raises(ValueError, match="unknown accelerator"):
+    compile_lib.compile_step(exp, topology="v9z:2x2")
+  with pytest.raises(ValueError, match="--compile_topology"):
+    compile_lib.run_compile(exp, "/tmp/unused", topology="")

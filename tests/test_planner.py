@@ -233,15 +233,17 @@ SMALL = dict(
   param_dtype="float32",
 )
 COMPILE_CASES = [
-  # topology, strategy, mesh, remat policy
-  ("v5p:2x2x1", "ring", dict(context=4), "full"),
-  ("tpu7x:2x2x1", "usp", dict(context=4, context_ulysses=2), "full"),
-  ("v5p:2x2x1", "all_gather", dict(context=4), "offload_layer_inputs"),
+  # topology, strategy, mesh, remat policy, loss chunk
+  ("v5p:2x2x1", "ring", dict(context=4), "full", 1024),
+  # libtpu 0.0.42.1 rejects the chunked loss's mask reshape on tpu7x:2x2x1
+  # ("Reshape should have supported layout", f32[2,8,128]): one chunk here.
+  ("tpu7x:2x2x1", "usp", dict(context=4, context_ulysses=2), "full", None),
+  ("v5p:2x2x1", "all_gather", dict(context=4), "offload_layer_inputs", 1024),
 ]
 
 
-@pytest.mark.parametrize("topology,strategy,mesh,remat", COMPILE_CASES)
-def test_planner_is_within_15_percent_of_the_compiler(topology, strategy, mesh, remat):
+@pytest.mark.parametrize("topology,strategy,mesh,remat,loss_chunk", COMPILE_CASES)
+def test_planner_is_within_15_percent_of_the_compiler(topology, strategy, mesh, remat, loss_chunk):
   from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from lctx import hardware  # pylint: disable=g-import-not-at-top
 
@@ -250,9 +252,11 @@ def test_planner_is_within_15_percent_of_the_compiler(topology, strategy, mesh, 
     seq_len=16384,
     strategy=strategy,
     mesh=MeshConfig(**mesh),
-    loss_chunk_size=1024,
+    loss_chunk_size=loss_chunk,
     attention_block_q=512,
     attention_block_kv=512,
+    # The coefficients were fitted to compiles of the blockwise kernel.
+    attention_backend="blockwise",
   )
   record = compile_lib.compile_step(exp, topology=topology)
   assert record["fits"], record
@@ -266,3 +270,23 @@ def test_planner_is_within_15_percent_of_the_compiler(topology, strategy, mesh, 
   )
   host = record["per_device"]["host_bytes"]
   assert abs(est["host_bytes_per_device"] - host) <= 0.15 * max(host, 1)
+
+
+def test_plan_then_compile_hands_the_winner_to_the_compiler(tmp_path):
+  tiny = dict(SMALL, d_model=128, num_heads=4, num_kv_heads=2, mlp_dim=384, vocab_size=512)
+  exp = _exp(
+    {**tiny, "remat_policy": "full"},
+    seq_len=4096,
+    loss_chunk_size=1024,
+    attention_block_q=512,
+    attention_block_kv=512,
+    attention_backend="blockwise",
+  )
+  rec = planner.run_plan(exp, str(tmp_path), hardware="v5p:2x2x1", plan_then_compile=True)
+  compiled = rec["compiled"]
+  assert compiled["topology"] == "v5p:2x2x1" and compiled["fits"]
+  assert compiled["strategy"] == rec["smallest"]["setup"]["strategy"]
+  assert compiled["mesh"]["context"] == rec["smallest"]["setup"]["mesh"]["context"]
+  assert isinstance(compiled["planner_error_pct"], float)
+  with open(tmp_path / "plan.json") as f:
+    assert json.load(f)["compiled"]["per_device"]["total_bytes"] > 0

@@ -287,7 +287,7 @@ COEFFICIENTS = {
   "gathered_layer_copies": 3.0,
   # Bytes per token per d_model element the layer in backward holds (residual
   # stream and its cotangent, norm outputs, projections' inputs and outputs).
-  "layer_bytes_per_d": 11.8,
+  "layer_bytes_per_d": 11.3,
   # Bytes per MLP-chunk token per hidden (F) element: gate, up, their product
   # and cotangents.
   "mlp_bytes_per_f": 4.6,
@@ -295,17 +295,17 @@ COEFFICIENTS = {
   # N(H+V) (the f32 output and dQ accumulators: 8 bytes) and per k/v element
   # K(H+V) (the visiting block and the next, dK/dV travelling in f32).
   "ring_bytes_per_q_elem": 8.1,
-  "ring_bytes_per_kv_elem": 9.8,
+  "ring_bytes_per_kv_elem": 8.9,
   # usp on top of its ring, per (q + kv) element: both layouts of q/k/v/out
   # around the all-to-alls.
-  "usp_a2a_bytes_per_elem": 8.8,
+  "usp_a2a_bytes_per_elem": 9.1,
   # ulysses, per local token per (q + kv) element: the all-to-all'd copies.
-  "ulysses_bytes_per_elem": 3.8,
-  # all_gather: per whole-sequence token per k/v element (gathered bf16 K/V
-  # and their f32 gradient).
-  "all_gather_bytes_per_kv_elem": 6.0,
+  "ulysses_bytes_per_elem": 4.2,
+  # all_gather: per whole-sequence token per k/v element (gathered bf16 K/V,
+  # and part of their f32 gradient: XLA does not hold all of it at once).
+  "all_gather_bytes_per_kv_elem": 4.6,
   # f32 [G*bq, bk] score tiles live per kv-head group (the kernel's blocks).
-  "kernel_block_copies": 1.2,
+  "kernel_block_copies": 1.6,
   # Loss: bytes per logit of one chunk (f32 partial sums over D, bf16 grad).
   "loss_bytes_per_logit": 6.0,
 }

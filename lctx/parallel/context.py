@@ -34,7 +34,7 @@ from lctx.parallel.validation import (
   validate_context_parallel,
   zigzag_ring_size,
 )
-from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
+from lctx.parallel.zigzag import zigzag_inverse, zigzag_permute_local, zigzag_reorder
 
 # Where shard_map splits q/k/v: the mesh axes LOGICAL_RULES gives the activations.
 HEAD_AXIS = dict(LOGICAL_RULES)["act_heads"]
@@ -268,8 +268,13 @@ def context_attention(
       softmax_scale=softmax_scale,
     )
   ring = zigzag_ring_size(shape)
+  rows = shape.get("data", 1) * shape.get("fsdp", 1)
+  if b % rows:
+    raise ValueError(f"[batch-divisible] batch ({b}) must be divisible by data x fsdp = {rows}")
+  # Collective permutes of each device's two half-shards (lctx.parallel.zigzag):
+  # no device ever holds more than its shard, unlike a gather of the sequence.
   q, k, v, segment_ids, positions = (
-    zigzag_reorder(_whole(x, mesh), ring, axis=1) for x in (q, k, v, segment_ids, positions)
+    _zigzag_sharded(x, mesh, ring) for x in (q, k, v, segment_ids, positions)
   )
   out = fn(
     q,
@@ -281,12 +286,31 @@ def context_attention(
     window_size=window_size,
     softmax_scale=softmax_scale,
   )
-  return zigzag_inverse(_whole(out, mesh), ring, axis=1)
+  return _zigzag_sharded(out, mesh, ring, inverse=True)
 
 
-def _whole(x, mesh):
-  """On Explicit meshes, a gather over a sharded token axis is ambiguous; replicate
-  first (this entry is for checks and tools; training batches arrive reordered)."""
+def _zigzag_sharded(x, mesh, ring: int, inverse: bool = False):
+  """Natural -> zigzag order (inverse: back) along axis 1 of a global array
+  sharded like the strategies' inputs: batch over (data, fsdp), sequence over
+  the context axes, heads (axis 2 of rank-4 arrays) over tensor where they divide."""
+  batch, seq = _present(mesh, BATCH_AXES), _present(mesh, SEQ_AXES)
+  if seq is None:
+    return (zigzag_inverse if inverse else zigzag_reorder)(x, ring, axis=1)
+  shape = mesh_shape(mesh)
+  ways = 1
+  for a in seq:
+    ways *= shape[a]
+  rest = [None] * (x.ndim - 2)
+  if x.ndim == 4 and HEAD_AXIS in shape and x.shape[2] % shape[HEAD_AXIS] == 0:
+    rest[0] = HEAD_AXIS
+  spec = P(batch, seq, *rest)
+  local = functools.partial(
+    zigzag_permute_local, ring_size=ring, axis_names=seq, ways=ways, inverse=inverse
+  )
+  fn = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True)
   if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-    return jax.sharding.reshard(x, NamedSharding(mesh, P()))
-  return x
+    # Explicit axes: in and out in the caller's sharding (cotangents arrive in it).
+    given = jax.typeof(x).sharding
+    given = NamedSharding(mesh, given.spec if given.mesh.axis_names else P())
+    return jax.sharding.reshard(fn(jax.sharding.reshard(x, NamedSharding(mesh, spec))), given)
+  return fn(x)

@@ -290,3 +290,57 @@ def test_plan_then_compile_hands_the_winner_to_the_compiler(tmp_path):
   assert isinstance(compiled["planner_error_pct"], float)
   with open(tmp_path / "plan.json") as f:
     assert json.load(f)["compiled"]["per_device"]["total_bytes"] > 0
+
+
+# The held-out check (issue 13 part 5): configurations the coefficients were
+# not fitted to (d_model 1024, head dim 64, 32K-64K tokens), every strategy on
+# both small slices and several remat choices. Compiles of a minute or more
+# each: `python -m pytest -m slow tests/test_planner.py`.
+MEDIUM = dict(
+  vocab_size=32000,
+  d_model=1024,
+  num_layers=2,
+  num_heads=16,
+  num_kv_heads=8,
+  head_dim=64,
+  mlp_dim=2816,
+  dtype="bfloat16",
+  param_dtype="float32",
+)
+HELD_OUT = [
+  # topology, strategy, mesh, length, remat policy, vocab, loss chunk
+  ("v5p:2x2x1", "ring", dict(context=4), 32768, "full", 32000, 1024),
+  ("v5p:2x2x1", "all_gather", dict(context=4), 32768, "full", 32000, 1024),
+  ("v5p:2x2x1", "usp", dict(context=2, context_ulysses=2), 65536, "dots", 32000, 1024),
+  ("v5p:2x2x1", "ulysses", dict(context=4), 65536, "none", 32000, 1024),
+  ("tpu7x:2x2x1", "usp", dict(context=4, context_ulysses=2), 65536, "full", 4096, None),
+  ("tpu7x:2x2x1", "ulysses", dict(context=8), 32768, "full", 4096, None),
+  ("tpu7x:2x2x1", "ring", dict(context=8), 65536, "offload_layer_inputs", 4096, None),
+  ("tpu7x:2x2x1", "all_gather", dict(context=8), 65536, "full", 4096, None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology,strategy,mesh,seq_len,remat,vocab,loss_chunk", HELD_OUT)
+def test_planner_held_out_within_15_percent(
+  topology, strategy, mesh, seq_len, remat, vocab, loss_chunk
+):
+  from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from lctx import hardware  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(
+    {**MEDIUM, "vocab_size": vocab, "remat_policy": remat},
+    seq_len=seq_len,
+    strategy=strategy,
+    mesh=MeshConfig(**mesh),
+    loss_chunk_size=loss_chunk,
+    attention_block_q=512,
+    attention_block_kv=512,
+    attention_backend="blockwise",
+  )
+  record = compile_lib.compile_step(exp, topology=topology)
+  compiled = record["per_device"]["total_bytes"]
+  setup = planner.make_setup(exp, strategy=strategy, mesh=mesh, remat_policy=remat)
+  est = planner.evaluate(planner.model_dims(exp.model), setup, hardware.parse_target(topology))
+  err = (est["per_device_total_bytes"] - compiled) / compiled
+  assert abs(err) <= 0.15, f"planner {100 * err:+.1f}% off the compiler"

@@ -332,7 +332,7 @@ def _q_natural(cfg: _Cfg, q_start, t: int):
   return cfg.order.natural(jnp.asarray(q_start, jnp.int32) + jnp.arange(t, dtype=jnp.int32))
 
 
-def _outside_vma_check(call, args, refs):
+def _outside_vma_check(call, args, refs, interpret: bool):
   """Runs a library kernel call where shard_map's varying-axes check is off.
 
   The library's pallas_call out shapes carry no varying axes, which a
@@ -348,9 +348,11 @@ def _outside_vma_check(call, args, refs):
   spec = jax.sharding.PartitionSpec()
 
   def untyped(*xs):
-    # Traced with the check off, an add drops the inputs' varying axes: the
-    # interpreted kernel's loop carries then type-check too.
-    return call(*(jax.lax.add(x, jax.lax.full_like(x, 0)) for x in xs))
+    if interpret:
+      # Traced with the check off, an add drops the inputs' varying axes, so the
+      # interpreter's loop carries (inputs in, outputs out) type-check too.
+      xs = tuple(jax.lax.add(x, jax.lax.full_like(x, 0)) for x in xs)
+    return call(*xs)
 
   inner = jax.shard_map(
     untyped, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(), check_vma=False
@@ -391,7 +393,7 @@ def _forward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq):
   else:
     call = jax.vmap(lambda a, b, c, d, e: one(a, b, c, _segment_ids(d, e)))
     args = (q, k, v, q_seg, kv_seg)
-  o, (lse,) = _outside_vma_check(call, args, (*args, qseq))
+  o, (lse,) = _outside_vma_check(call, args, (*args, qseq), cfg.interpret)
   seen = lse > _VALID_LSE
   o = jnp.where(seen[..., None], o.astype(jnp.float32), 0.0)
   return o, jnp.where(seen, lse, MASKED_LSE)
@@ -454,7 +456,7 @@ def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
   else:
     call = jax.vmap(lambda a, b, c, d, e, f, qs, ks: one(a, b, c, d, e, f, _segment_ids(qs, ks)))
     args = (q, k, v, lse, do, di, q_seg, kv_seg)
-  g = _outside_vma_check(call, args, (*args, qseq))
+  g = _outside_vma_check(call, args, (*args, qseq), cfg.interpret)
   return tuple(x.astype(jnp.float32) for x in g)
 
 

@@ -12,23 +12,28 @@ What the step holds, per device (lctx/trainer.py, lctx/models/transformer.py):
     the parameters (LOGICAL_RULES: `embed` over fsdp x context x
     context_ulysses, heads / mlp / vocab over tensor), plus the int32 batch;
   - gradients: the same sharding as the parameters;
-  - gathered weights: FSDP all-gathers one layer's weights at a time (and the
-    [D, E] unembedding for the loss) and reduce-scatters their gradients;
+  - gathered weights: FSDP all-gathers one layer's weights at a time and
+    reduce-scatters their gradients;
   - saved activations: per layer, the tensors the remat policy keeps on device
     (`REMAT_POLICIES`; offloaded ones count as host bytes);
-  - the layer being back-propagated: its recomputed residuals and cotangents,
-    the MLP over `mlp_chunk_size` tokens at a time;
+  - the layer being back-propagated: its residual stream and cotangents, the
+    MLP over `mlp_chunk_size` tokens at a time;
   - attention buffers per strategy: all_gather holds the whole sequence's K/V
-    and its f32 gradient; ulysses the all-to-all'd q/k/v/out of a head group
-    over the whole sequence; ring / usp the visiting K/V block and the next,
-    travelling f32 dK/dV, f32 output and dQ accumulators;
-  - the loss: one chunk of f32 logits and their gradient at a time.
+    (and part of their f32 gradient); ulysses the all-to-all'd q/k/v/out of a
+    head group over the whole sequence; ring / usp the visiting K/V block and
+    the next, travelling f32 dK/dV, f32 output and dQ accumulators (usp also
+    both layouts around its all-to-alls);
+  - the loss: one chunk of f32 logits and their gradient at a time; the peak
+    is the larger of this phase and the layer's backward.
 
-The per-token coefficients below count the buffers the code creates; the few
-that XLA's buffer assignment decides (how many copies of a tensor are live at
-the peak) were fitted to TPU compiles (`memory_analysis()` of compile-only
-v5p / TPU7x devices, libtpu 0.0.42.1, 2026-12-01) and are checked against the
-compiler by tests/test_planner.py and scripts/bench_memory.py.
+Shapes fix the bytes per element; how many buffers XLA keeps live at the
+peak is a per-element coefficient (COEFFICIENTS), fitted to TPU compiles
+(`memory_analysis()` of compile-only v5p / TPU7x devices, libtpu 0.0.42.1,
+2026-12-01, the blockwise attention kernel) and checked against the compiler
+by tests/test_planner.py and scripts/bench_memory.py. The ring / usp buffers
+count head dims lane-padded to 128 (TPU tiling; that is what made one
+coefficient fit head dims 32, 64 and 128). GPU targets use the same
+coefficients: an approximation.
 
 Shapes legend: B rows per device, T tokens per device (sequence shard), D
 d_model, F MLP hidden, N / K q / kv heads per tensor shard, H / V qk / value
@@ -222,9 +227,9 @@ class Breakdown:
 
   The step's peak is the state, gradients and saved activations plus the larger
   of two phases: a layer's backward (gathered weights, the layer's residual
-  stream and cotangents, then the larger of its MLP's and its attention's
-  buffers) or the loss (one chunk of logits). `total` counts the peak; what
-  is not live at the peak is listed but not added.
+  stream and cotangents, its MLP chunk's and its attention's buffers) or the
+  loss (one chunk of logits). `total` counts the peak; the smaller phase is
+  listed but not added (`peak_phase` names the larger).
   """
 
   parameters: int
@@ -244,8 +249,8 @@ class Breakdown:
 
   @property
   def layer_phase(self) -> int:
-    """Gathered weights and the layer's own buffers, then the MLP's or attention's."""
-    return self.gathered_weights + self.layer_backward + self.mlp_backward + self.attention_buffers
+    """Gathered weights, the layer's residual stream, its MLP's and attention's buffers."""
+    return sum(getattr(self, f) for f in self.LAYER_FIELDS)
 
   @property
   def peak_phase(self) -> str:

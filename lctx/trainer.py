@@ -72,6 +72,10 @@ class TrainConfig:
     cpu_keep_freed_memory: on the CPU backend, make glibc malloc reuse freed
       memory rather than unmap it and page-fault it in again every step
       (lctx/host.py). The process keeps its peak footprint.
+    offload_optimizer_state, offload_params: keep the optimizer state / the
+      parameters in pinned host memory between steps; the step moves them to
+      the device where it uses them (params for the forward and backward, the
+      optimizer state for the update) and the updated values back to host.
     cpu_vector_width: on the CPU backend, the vector width in bits XLA
       prefers for the elementwise code it generates (XLA's default is 256;
       512 uses AVX-512 where the CPU has it: the attention softmax's exp ran
@@ -111,6 +115,8 @@ class TrainConfig:
   profile_steps: tuple[int, int] | None = None
   cpu_keep_freed_memory: bool = True
   cpu_vector_width: int | None = 512
+  offload_optimizer_state: bool = False
+  offload_params: bool = False
 
   def __post_init__(self):
     validate_train_config(self)
@@ -264,6 +270,14 @@ class Trainer:
     specs = nn.get_partition_spec(abstract)
     with self._context():
       self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh, self.rules)
+    # Host offload: the stored state's shardings say pinned_host; _on_device
+    # gives the steps device copies of those parts.
+    self.device_state_sharding = self.state_sharding
+    self.state_sharding = dict(self.state_sharding)
+    for part in self._offloaded_parts():
+      self.state_sharding[part] = jax.tree.map(
+        lambda s: s.with_memory_kind("pinned_host"), self.state_sharding[part]
+      )
     self.abstract_state = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       nn.unbox(abstract),
@@ -288,6 +302,24 @@ class Trainer:
 
   def _context(self):
     return _MeshRules(self.mesh, self.rules)
+
+  def _offloaded_parts(self) -> tuple[str, ...]:
+    return tuple(
+      part
+      for part, on in (
+        ("params", self.cfg.offload_params),
+        ("opt_state", self.cfg.offload_optimizer_state),
+      )
+      if on
+    )
+
+  def _on_device(self, tree, part: str):
+    """A state part in device memory (a no-op unless it is offloaded)."""
+    if part not in self._offloaded_parts():
+      return tree
+    kind = self.mesh.devices.flat[0].default_memory().kind
+    shardings = jax.tree.map(lambda s: s.with_memory_kind(kind), self.device_state_sharding[part])
+    return jax.device_put(tree, shardings)
 
   # -- state ------------------------------------------------------------------
   def _init_boxed(self, rng):
@@ -332,8 +364,11 @@ class Trainer:
     return (loss_sum + z_sum) / denom, {"loss": loss_sum / denom, "tokens": weight}
 
   def _train_step_impl(self, state, batch):
+    # Offloaded parts (TrainConfig.offload_*) come to the device where used.
+    state = dict(state, params=self._on_device(state["params"], "params"))
     grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
     (total, aux), grads = grad_fn(state["params"], batch)
+    state["opt_state"] = self._on_device(state["opt_state"], "opt_state")
     updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     # Non-finite guard: a step whose loss or gradient norm is not finite keeps
@@ -362,7 +397,7 @@ class Trainer:
     return new_state, metrics
 
   def _eval_step_impl(self, state, batch):
-    _, aux = self.loss_fn(state["params"], batch)
+    _, aux = self.loss_fn(self._on_device(state["params"], "params"), batch)
     return aux
 
   def abstract_batch(self, batch_size: int | None = None):
@@ -415,7 +450,9 @@ class Trainer:
     batch_ways, _ = mesh_lib.batch_shard_counts(self.mesh)
     if self._logits_apply is None:
       self._logits_apply = jax.jit(
-        lambda p, x, pos, seg: self.model.apply({"params": p}, x, pos, seg).astype(jnp.float32),
+        lambda p, x, pos, seg: self.model.apply(
+          {"params": self._on_device(p, "params")}, x, pos, seg
+        ).astype(jnp.float32),
         compiler_options=self.compiler_options,
       )
     apply = self._logits_apply

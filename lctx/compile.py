@@ -254,14 +254,18 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   # be compared with memory_analysis() (they differ; see _allocated).
   dump = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "^$"}
   try:
-    compiled = trainer.lower_train_step().compile(compiler_options=dump)
-  except jax.errors.JaxRuntimeError as err:
+    try:
+      compiled, message = trainer.lower_train_step().compile(compiler_options=dump), ""
+    except jax.errors.JaxRuntimeError as err:
+      if "RESOURCE_EXHAUSTED" not in str(err):
+        raise
+      compiled, message = None, str(err)
     allocated = _allocated(dump_dir)
+  finally:
     shutil.rmtree(dump_dir, ignore_errors=True)
-    message = str(err)
-    if "RESOURCE_EXHAUSTED" not in message:
-      raise
-    record["compile_seconds"] = round(time.perf_counter() - t0, 1)
+  record["compile_seconds"] = round(time.perf_counter() - t0, 1)
+  record["largest_buffers"] = allocated.get("largest_buffers", [])
+  if compiled is None:
     needed, available = _oom_bytes(message)
     record["error"] = message.strip().splitlines()[0][:1000]
     record["compiler_needed_bytes"] = needed
@@ -271,11 +275,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
     )
     # The compiler's figure for the whole program (see _HBM_OOM).
     record["per_device"]["total_bytes"] = needed
-    record["largest_buffers"] = allocated.get("largest_buffers", [])
     return record
-  record["compile_seconds"] = round(time.perf_counter() - t0, 1)
-  allocated = _allocated(dump_dir)
-  shutil.rmtree(dump_dir, ignore_errors=True)
   per_device = _memory(compiled)
   hlo = compiled.as_text()
   record["attention_backend"] = attention_backend_of(hlo, exp.train.attention_backend)
@@ -287,7 +287,6 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   record["fits"] = hbm_ok and host_ok
   record["allocated_hbm_bytes_per_device"] = allocated.get("hbm_bytes")
   record["allocated_temp_bytes_per_device"] = allocated.get("temp_bytes")
-  record["largest_buffers"] = allocated.get("largest_buffers", [])
   if not hbm_ok:
     record["notes"].append(
       "the compiler accepted this program (its own HBM check passed), yet memory_analysis() "

@@ -72,6 +72,10 @@ class TrainConfig:
     cpu_keep_freed_memory: on the CPU backend, make glibc malloc reuse freed
       memory rather than unmap it and page-fault it in again every step
       (lctx/host.py). The process keeps its peak footprint.
+    ulysses_head_chunks: ulysses/usp: run each layer's attention in this many
+      head stages (UPipe: the all-to-all, kernel and inverse all-to-all of one
+      head group at a time, buffers reused; lctx/parallel/upipe.py). None: all
+      heads at once.
     offload_optimizer_state, offload_params: keep the optimizer state / the
       parameters in pinned host memory between steps; the step moves them to
       the device where it uses them (params for the forward and backward, the
@@ -117,6 +121,7 @@ class TrainConfig:
   cpu_vector_width: int | None = 512
   offload_optimizer_state: bool = False
   offload_params: bool = False
+  ulysses_head_chunks: int | None = None
 
   def __post_init__(self):
     validate_train_config(self)
@@ -234,6 +239,7 @@ def context_plan(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig) -> paral
     load_balance=cfg.load_balance,
     kernel=kernel,
     memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
+    head_chunks=cfg.ulysses_head_chunks,
   )
 
 

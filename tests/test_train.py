@@ -3,10 +3,11 @@
 import json
 import os
 
+import gin
+import jax
 import numpy as np
 import pytest
 
-import gin
 from lctx import checkpoint as ckpt_lib
 from lctx import configs, gin_utils, models  # noqa: F401  (configs registers the gin names)
 from lctx import train as train_lib
@@ -192,3 +193,43 @@ def test_in_loop_retrieval_evals_class_cells_of_a_windowed_model(tmp_path):
   }
   assert main[0.0] == "beyond"
   assert any("eval/passkey/acc_beyond" in r for r in _metrics(str(tmp_path)))
+
+
+def test_ulysses_head_chunks_reach_the_train_step():
+  # TrainConfig.ulysses_head_chunks -> ContextPlan -> UPipe stages; same loss and
+  # gradients as all heads at once (4 q / 2 kv heads over a ulysses degree of 2).
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, context=2))
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, 259, (4, 65), dtype=np.int32)
+  batch = {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": np.ones((4, 64), np.int32),
+    "positions": np.tile(np.arange(64, dtype=np.int32), (4, 1)),
+    "loss_mask": np.ones((4, 64), np.float32),
+  }
+  results = []
+  for chunks in (None, 2):
+    cfg = TrainConfig(
+      batch_size=4, seq_len=64, context_parallel_strategy="ulysses", ulysses_head_chunks=chunks
+    )
+    trainer = Trainer(TINY, cfg, mesh)
+    assert trainer.plan.head_chunks == chunks
+    state = trainer.init_state(0)
+    with trainer._context():  # pylint: disable=protected-access
+      (loss, _), grads = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))(
+        state["params"], trainer.device_batch(batch)
+      )
+    results.append((float(loss), jax.device_get(grads)))
+  assert abs(results[0][0] - results[1][0]) < 1e-5
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *[r[1] for r in results]
+  )
+  with pytest.raises(ValueError, match="head_chunks"):
+    Trainer(
+      TINY,
+      TrainConfig(
+        batch_size=4, seq_len=64, context_parallel_strategy="ring", ulysses_head_chunks=2
+      ),
+      mesh,
+    )

@@ -99,6 +99,8 @@ class ContextPlan:
       'auto' backend picks for it, not for the host running Python.
     kernel: attention kernel settings.
     reason: why this strategy (the `auto` choice, or 'configured').
+    head_chunks: ulysses/usp only: run attention in this many head stages
+      (UPipe, lctx/parallel/upipe.py); None: all heads at once.
   """
 
   mesh: Mesh
@@ -108,6 +110,7 @@ class ContextPlan:
   platform: str
   kernel: KernelOptions
   reason: str = "configured"
+  head_chunks: int | None = None
 
   @property
   def context_degree(self) -> int:
@@ -128,7 +131,13 @@ class ContextPlan:
     )
     if self.strategy == "none":
       return local_attention_fn(**kw)
-    return make_attention_fn(self.mesh, self.strategy, load_balance=self.load_balance, **kw)
+    return make_attention_fn(
+      self.mesh,
+      self.strategy,
+      load_balance=self.load_balance,
+      ulysses_head_chunks=self.head_chunks,
+      **kw,
+    )
 
   def to_device_order(self, batch: Mapping[str, object], axis: int = 1) -> dict:
     """Natural token order -> the order the devices hold (zigzag when balancing),
@@ -166,6 +175,7 @@ def make_context_plan(
   load_balance: bool | None = None,
   kernel: KernelOptions = KernelOptions(),
   memory_budget_bytes: int | None = None,
+  head_chunks: int | None = None,
 ) -> ContextPlan:
   """Resolves strategy (incl. 'auto'), load balance and ring size; validates.
 
@@ -231,6 +241,7 @@ def make_context_plan(
     platform=platform,
     kernel=kernel,
     reason=reason,
+    head_chunks=head_chunks,
   )
   log.info("context plan: %s", plan.describe())
   return plan

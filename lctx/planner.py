@@ -24,6 +24,7 @@ from typing import Any
 from absl import logging
 
 from lctx import hardware as hw
+from lctx.models import config as models_config
 from lctx.parallel import memory_model as mm
 from lctx.parallel import mesh as mesh_lib
 from lctx.parallel.validation import default_load_balance, validate_context_parallel
@@ -31,7 +32,21 @@ from lctx.parallel.validation import default_load_balance, validate_context_para
 GiB = 2**30
 # Search order at equal context degree: least recompute first, then least
 # communication (auto's order), then the widest all-to-all for usp.
-REMAT_ORDER = ("none", "dots", "dots_no_batch", "full", "offload_layer_inputs")
+# Remat policies the search tries, least recompute first (those ModelConfig
+# knows; offloading ones last: they also move bytes over PCIe).
+REMAT_ORDER = (
+  "none",
+  "save_dots",
+  "dots",
+  "minimal",
+  "save_qkv_proj",
+  "save_attention_out",
+  "full",
+  "minimal_offloaded",
+  "qkv_proj_offloaded",
+  "offload_layer_inputs",
+  "offload_layer_inputs_and_attention_out",
+)
 STRATEGY_ORDER = ("all_gather", "ulysses", "usp", "ring")
 ESTIMATE_LABEL = "planner estimate (analytic model, lctx/parallel/memory_model.py)"
 
@@ -62,6 +77,36 @@ def _dtype_bytes(name: str) -> int:
   return 4 if name == "float32" else 2
 
 
+def remat_policies() -> tuple[str, ...]:
+  """REMAT_ORDER less the policies this ModelConfig does not know."""
+  known = getattr(models_config, "REMAT_POLICIES", mm.REMAT_POLICIES)
+  return tuple(r for r in REMAT_ORDER if r in known and r != "custom")
+
+
+def _remat_choices(model, remat_policy: str):
+  """ModelConfig's per-tag choices for a policy (None for 'none' / dots ones)."""
+  if remat_policy == model.remat_policy:
+    return getattr(model, "remat_choices", None)
+  if remat_policy in mm.REMAT_POLICIES and remat_policy != "full":
+    return None
+  other = dataclasses.replace(
+    model,
+    remat_policy=remat_policy,
+    remat_group_size=_group_size(model, remat_policy),
+    **_no_custom(model),
+  )
+  return getattr(other, "remat_choices", None)
+
+
+def _no_custom(model) -> dict[str, Any]:
+  """Overrides that let a model with custom remat choices take a named policy."""
+  return {"remat_custom": ()} if getattr(model, "remat_custom", ()) else {}
+
+
+def _group_size(model, remat_policy: str) -> int:
+  return 1 if remat_policy == "none" else getattr(model, "remat_group_size", 1)
+
+
 def make_setup(exp, *, strategy: str, mesh: dict[str, int], remat_policy: str) -> mm.Setup:
   """A memory-model Setup of the experiment with these choices."""
   return mm.Setup(
@@ -70,6 +115,10 @@ def make_setup(exp, *, strategy: str, mesh: dict[str, int], remat_policy: str) -
     batch_size=exp.train.batch_size,
     seq_len=exp.train.seq_len,
     remat_policy=remat_policy,
+    remat_choices=_remat_choices(exp.model, remat_policy),
+    remat_group_size=_group_size(exp.model, remat_policy),
+    offload_optimizer_state=getattr(exp.train, "offload_optimizer_state", False),
+    offload_params=getattr(exp.train, "offload_params", False),
     dtype_bytes=_dtype_bytes(exp.model.dtype),
     param_bytes=_dtype_bytes(exp.model.param_dtype),
     loss_chunk_size=exp.train.loss_chunk_size,
@@ -86,6 +135,9 @@ def setup_record(setup: mm.Setup) -> dict[str, Any]:
     "mesh": mesh,
     "context_degree": setup.context_degree,
     "remat_policy": setup.remat_policy,
+    "remat_group_size": setup.remat_group_size,
+    "offload_optimizer_state": setup.offload_optimizer_state,
+    "offload_params": setup.offload_params,
     "batch_size": setup.batch_size,
     "seq_len": setup.seq_len,
     "loss_chunk_size": setup.loss_chunk_size,
@@ -167,7 +219,7 @@ def candidates(exp, target: hw.Target):
   free = devices // (tensor * data) if devices % (tensor * data) == 0 else 0
   for degree in sorted(d for d in range(1, free + 1) if free and free % d == 0):
     fsdp = free // degree
-    for remat in REMAT_ORDER:
+    for remat in remat_policies():
       for strategy in ("none",) if degree == 1 else STRATEGY_ORDER:
         ulysses = [1]
         if strategy == "usp":
@@ -266,7 +318,12 @@ def apply_setup(exp, rec: dict[str, Any]):
   """The experiment with a plan's setup (mesh, strategy, remat) put in."""
   mesh = mesh_lib.MeshConfig(**rec["mesh"])
   train = dataclasses.replace(exp.train, context_parallel_strategy=rec["strategy"])
-  model = dataclasses.replace(exp.model, remat_policy=rec["remat_policy"])
+  model = dataclasses.replace(
+    exp.model,
+    remat_policy=rec["remat_policy"],
+    remat_group_size=rec["remat_group_size"],
+    **_no_custom(exp.model),
+  )
   return dataclasses.replace(exp, mesh=mesh, train=train, model=model)
 
 

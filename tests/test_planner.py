@@ -91,6 +91,33 @@ def test_remat_policies_order_device_bytes_and_offload_moves_them_to_host():
   assert totals["offload_layer_inputs"].host == 32 * tokens * 4096 * 2
 
 
+def test_model_presets_offload_and_groups_follow_the_model_config():
+  """Per-tag presets (ModelConfig.remat_choices), state offload and remat groups."""
+  tokens = (1 << 22) // 64
+  base = _exp(LLAMA_8B, seq_len=1 << 22)
+  dims = planner.model_dims(base.model)
+
+  def est(exp, policy):
+    return mm.estimate(
+      dims, planner.make_setup(exp, strategy="ring", mesh={"context": 64}, remat_policy=policy)
+    )
+
+  full = est(base, "full")
+  both = est(base, "offload_layer_inputs_and_attention_out")
+  # Layer input (D) and attention output (N x V) of 32 layers go to the host.
+  assert both.host == 32 * tokens * (4096 + 32 * 128) * 2
+  assert both.saved_activations == 0 < full.saved_activations
+  assert est(base, "save_qkv_proj").saved_activations > full.saved_activations
+  # AdamW state and master weights on the host: off the device, onto the host.
+  offl = _exp(LLAMA_8B, seq_len=1 << 22, offload_optimizer_state=True, offload_params=True)
+  moved = est(offl, "full")
+  assert moved.optimizer_state == moved.parameters == 0
+  assert moved.host == full.parameters + full.optimizer_state
+  # Groups of 4 layers save one input in 4.
+  grouped = _exp({**LLAMA_8B, "remat_group_size": 4}, seq_len=1 << 22)
+  assert est(grouped, "full").saved_activations == full.saved_activations // 4
+
+
 def test_all_gather_grows_with_the_whole_sequence_ring_with_the_shard():
   exp = _exp(LLAMA_8B, seq_len=1 << 22)
   dims = planner.model_dims(exp.model)
@@ -110,9 +137,13 @@ def test_all_gather_grows_with_the_whole_sequence_ring_with_the_shard():
 def test_unknown_policy_and_strategy_are_clear_errors():
   exp = _exp(LLAMA_8B, seq_len=1 << 20)
   dims = planner.model_dims(exp.model)
-  setup = planner.make_setup(exp, strategy="ring", mesh={"context": 8}, remat_policy="sometimes")
+  with pytest.raises(ValueError, match="'sometimes'"):
+    mm.estimate(
+      dims, planner.make_setup(exp, strategy="ring", mesh={"context": 8}, remat_policy="sometimes")
+    )
+  setup = mm.Setup(strategy="ring", mesh={"context": 8}, batch_size=1, seq_len=1 << 20)
   with pytest.raises(ValueError, match="unknown remat policy 'sometimes'"):
-    mm.estimate(dims, setup)
+    mm.estimate(dims, dataclasses.replace(setup, remat_policy="sometimes"))
   setup = planner.make_setup(exp, strategy="spiral", mesh={"context": 8}, remat_policy="full")
   with pytest.raises(ValueError, match="unknown strategy 'spiral'"):
     mm.estimate(dims, setup)

@@ -15,7 +15,8 @@ What the step holds, per device (lctx/trainer.py, lctx/models/transformer.py):
   - gathered weights: FSDP all-gathers one layer's weights at a time and
     reduce-scatters their gradients;
   - saved activations: per layer, the tensors the remat policy keeps on device
-    (`REMAT_POLICIES`; offloaded ones count as host bytes);
+    (`REMAT_POLICIES`, or ModelConfig's per-tag `remat_choices`; offloaded ones
+    count as host bytes, as do offloaded parameters / optimizer state);
   - the layer being back-propagated: its residual stream and cotangents, the
     MLP over `mlp_chunk_size` tokens at a time;
   - attention buffers per strategy: all_gather holds the whole sequence's K/V
@@ -92,7 +93,13 @@ class Setup:
     strategy: context-parallel strategy ('none': no context parallelism).
     mesh: axis sizes (data, fsdp, tensor, context, context_ulysses); absent = 1.
     batch_size, seq_len: global rows per step and tokens per row.
-    remat_policy: a key of REMAT_POLICIES.
+    remat_policy: a key of REMAT_POLICIES, or any name when `remat_choices`
+      is given.
+    remat_choices: per-tag choices {tag: 'device' | 'offload' | 'remat'}
+      (ModelConfig.remat_choices for presets and 'custom'); None: the table.
+    remat_group_size: layers per rematerialised group (one saved input each).
+    offload_optimizer_state, offload_params: AdamW state / f32 parameters kept
+      in pinned host memory between steps.
     dtype_bytes, param_bytes: activation (compute) and parameter bytes.
     loss_chunk_size, mlp_chunk_size: tokens per loss / MLP chunk (None: whole).
     block_q, block_kv: attention kernel blocks (the per-block f32 scratch).
@@ -103,6 +110,10 @@ class Setup:
   batch_size: int
   seq_len: int
   remat_policy: str = "full"
+  remat_choices: Mapping[str, str] | None = None
+  remat_group_size: int = 1
+  offload_optimizer_state: bool = False
+  offload_params: bool = False
   dtype_bytes: int = 2
   param_bytes: int = 4
   loss_chunk_size: int | None = None
@@ -135,25 +146,36 @@ class Setup:
 # Remat policies: which per-layer tensors stay on device, go to host, or are
 # recomputed. A new policy is one entry: {tensor name: 'device' | 'offload'}.
 # ----------------------------------------------------------------------------
-# Names follow the checkpoint_name tags of lctx/models (MaxText's names).
-# 'residuals' stands for everything a layer's backward needs that has no name
-# (norm statistics, rotated q/k, the kernel's lse, SwiGLU's product ...).
+# Names are the checkpoint_name tags of lctx/models (ModelConfig's REMAT_TAGS);
+# 'residuals' stands for what a layer's backward needs that has no tag (norm
+# statistics, the kernel's lse, RoPE's f32 intermediates ...): only 'none'
+# keeps it.
 LAYER_TENSORS = (
   "layer_input",
   "query_proj",
   "key_proj",
   "value_proj",
-  "context",
+  "attention_out",
   "out_proj",
-  "mlpwi",
+  "mlp_gate",
+  "mlp_up",
   "mlp_hidden",
-  "mlpwo",
+  "mlp_out",
   "residuals",
 )
 _ALL_DEVICE = {name: "device" for name in LAYER_TENSORS}
 _DOTS = {
   n: "device"
-  for n in ("layer_input", "query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
+  for n in (
+    "layer_input",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "out_proj",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_out",
+  )
 }
 REMAT_POLICIES: dict[str, dict[str, str]] = {
   "none": _ALL_DEVICE,
@@ -185,30 +207,44 @@ def tensor_bytes_per_token(name: str, dims: ModelDims, setup: Setup) -> float:
     "query_proj": n * h * a,
     "key_proj": k * h * a,
     "value_proj": k * v * a,
-    "context": n * v * a,
+    "attention_out": n * v * a,
     "out_proj": d * a,
-    "mlpwi": 2 * f * a,
-    # SwiGLU's sigmoid and product.
-    "mlp_hidden": 2 * f * a,
-    "mlpwo": d * a,
-    # Two RMSNorms (f32 normalised input + bf16 output each), RoPE'd q and k
-    # (bf16, and the f32 they are computed in), lse and the residual sum.
-    "residuals": 2 * d * (F32 + a) + (n + k) * h * (a + F32) + n * F32 + d * a,
+    "mlp_gate": f * a,
+    "mlp_up": f * a,
+    "mlp_hidden": f * a,
+    "mlp_out": d * a,
+    # Two RMSNorms (f32 normalised input + bf16 output each), q and k before
+    # RoPE and the f32 they rotate in, lse, the residual sum, SwiGLU's sigmoid.
+    "residuals": 2 * d * (F32 + a) + (n + k) * h * (a + F32) + n * F32 + d * a + f * a,
   }
   if name not in sizes:
     raise ValueError(f"unknown layer tensor {name!r}; known: {', '.join(LAYER_TENSORS)}")
   return sizes[name]
 
 
-def remat_saved_bytes_per_token(dims: ModelDims, setup: Setup) -> tuple[float, float]:
-  """(device, host) bytes one layer keeps per token for the backward pass."""
+def remat_table(setup: Setup) -> dict[str, str]:
+  """{tensor: 'device' | 'offload'} the setup's remat policy keeps (others: remat)."""
+  if setup.remat_choices is not None:
+    choices = {t: c for t, c in setup.remat_choices.items() if c != "remat"}
+    # A rematerialised layer restarts from its input: kept unless offloaded.
+    choices.setdefault("layer_input", "device")
+    return choices
   if setup.remat_policy not in REMAT_POLICIES:
     raise ValueError(
-      f"unknown remat policy {setup.remat_policy!r}; known: {', '.join(REMAT_POLICIES)}"
+      f"unknown remat policy {setup.remat_policy!r}; known: {', '.join(REMAT_POLICIES)} "
+      "(or pass remat_choices)"
     )
+  return REMAT_POLICIES[setup.remat_policy]
+
+
+def remat_saved_bytes_per_token(dims: ModelDims, setup: Setup) -> tuple[float, float]:
+  """(device, host) bytes one layer keeps per token for the backward pass.
+
+  With remat groups of k layers only one layer input in k is saved."""
   device = host = 0.0
-  for name, where in REMAT_POLICIES[setup.remat_policy].items():
-    b = tensor_bytes_per_token(name, dims, setup)
+  k = max(1, setup.remat_group_size)
+  for name, where in remat_table(setup).items():
+    b = tensor_bytes_per_token(name, dims, setup) / (k if name == "layer_input" else 1)
     if where == "offload":
       host += b
     elif where == "device":
@@ -333,6 +369,13 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   # Saved activations across layers (device) and offloaded ones (host).
   dev_tok, host_tok = remat_saved_bytes_per_token(dims, setup)
 
+  # A remat group recomputes k layers from one input: the other k - 1 layers'
+  # tensors are live while the group runs backward (not fitted to compiles).
+  group_extra = 0.0
+  if setup.remat_group_size > 1:
+    per_layer = sum(tensor_bytes_per_token(n, dims, setup) for n in LAYER_TENSORS)
+    group_extra = (setup.remat_group_size - 1) * tokens * per_layer
+
   # FSDP gathers one layer's weights at a time.
   gathered = 0.0
   if setup.param_shards > 1:
@@ -353,18 +396,23 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   rows = tokens if chunk is None or chunk >= setup.batch_size * setup.seq_len else chunk
   loss = rows * e * co["loss_bytes_per_logit"] + e * dims.d_model / setup.param_shards * F32
 
+  # State offload (TrainConfig.offload_*): between steps on the host; the step
+  # streams it in (not counted on the device).
+  state_host = (params * p if setup.offload_params else 0) + (
+    2 * params * p if setup.offload_optimizer_state else 0
+  )
   return Breakdown(
-    parameters=int(params * p),
-    optimizer_state=int(2 * params * p),
+    parameters=0 if setup.offload_params else int(params * p),
+    optimizer_state=0 if setup.offload_optimizer_state else int(2 * params * p),
     batch=int(BATCH_ARRAYS * tokens * INT32),
     gradients=int(params * p),
     saved_activations=int(dims.num_layers * tokens * dev_tok),
     gathered_weights=int(gathered),
-    layer_backward=int(layer),
+    layer_backward=int(layer + group_extra),
     mlp_backward=int(mlp),
     attention_buffers=int(attention),
     loss=int(loss),
-    host=int(dims.num_layers * tokens * host_tok),
+    host=int(dims.num_layers * tokens * host_tok + state_host),
   )
 
 

@@ -315,6 +315,15 @@ def test_slices_are_data_parallel_over_dcn():
     compile_lib._mesh_config(dataclasses.replace(exp, mesh=fsdp), "v5p:2x2x1", 2)  # pylint: disable=protected-access
 
 
+def test_without_libtpu_it_says_how_to_install_it(monkeypatch):
+  real = compile_lib.importlib.util.find_spec
+  monkeypatch.setattr(
+    compile_lib.importlib.util, "find_spec", lambda n: None if n == "libtpu" else real(n)
+  )
+  with pytest.raises(RuntimeError, match=re.escape("pip install -e '.[tpu]'")):
+    compile_lib.topology_devices("v5p:2x2x1")
+
+
 def test_compile_errors_name_the_problem():
   exp = _experiment("gin/usp_ironwood.gin", [*TINY])
   # 64 devices of v5p cannot take usp_ironwood's 16 x 8 mesh.

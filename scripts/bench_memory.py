@@ -69,11 +69,12 @@ def mesh_for(strategy: str, devices: int) -> tuple[dict[str, int], int]:
   raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def cell_params(strategy: str, topology: str, seq_len: int) -> list[str]:
+def cell_params(strategy: str, topology: str, seq_len: int, backend: str = "") -> list[str]:
   """The --gin_param bindings of one cell."""
   target = hardware.parse_target(topology)
   mesh, batch = mesh_for(strategy, target.devices)
-  return [
+  extra = [f"TrainConfig.attention_backend = '{backend}'"] if backend else []
+  return extra + [
     "MeshConfig.data = 1",
     "MeshConfig.tensor = 1",
     f"MeshConfig.fsdp = {mesh['fsdp']}",
@@ -165,6 +166,12 @@ def main(argv=None) -> None:
     "the other rows are planner only",
   )
   ap.add_argument("--planner_only", action="store_true", help="compile nothing")
+  ap.add_argument(
+    "--attention_backend",
+    default="",
+    help="override TrainConfig.attention_backend (e.g. 'blockwise', the kernel the planner's "
+    "coefficients were fitted to); default: the gin files' ('auto')",
+  )
   ap.add_argument("--timeout", type=int, default=1500, help="seconds per compile")
   ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench_memory.json"))
   ap.add_argument("--cache", default=os.path.join(ROOT, "bench_results", "bench_memory_cache.json"))
@@ -182,7 +189,7 @@ def main(argv=None) -> None:
     for name in args.lengths.split(","):
       seq_len = LENGTHS[name]
       for strategy in args.strategies.split(","):
-        params = cell_params(strategy, topology, seq_len)
+        params = cell_params(strategy, topology, seq_len, args.attention_backend)
         exp = experiment(params)
         key = cache_key(exp, topology)
         cell = f"{strategy}@{topology}@{name}"
@@ -196,6 +203,7 @@ def main(argv=None) -> None:
           "tokens_per_step": exp.train.batch_size * seq_len,
           "mesh": dataclasses.asdict(exp.mesh),
           "remat_policy": exp.model.remat_policy,
+          "attention_backend_configured": exp.train.attention_backend,
           "config_key": key,
           **planner_row(exp, topology),
         }
@@ -205,16 +213,17 @@ def main(argv=None) -> None:
         if record is None and wanted and not row["invalid"]:
           print(f"compiling {cell} ...", flush=True)
           record = compile_cell(params, topology, args.timeout)
-          if "error" not in record:
+          if "per_device" in record:  # compiled, or a compile-time OOM (a result too)
             cache[key] = record
             os.makedirs(os.path.dirname(args.cache), exist_ok=True)
             with open(args.cache, "w") as f:
               json.dump(cache, f, indent=1)
           source = "compiled"
-        row["source"] = source if record and "error" not in record else "planner only"
+        compiled = record is not None and "per_device" in record
+        row["source"] = source if compiled else "planner only"
         if record and "error" in record:
-          row["compile_error"] = record["error"]
-        if record and "error" not in record:
+          row["compile_error"] = record["error"][:300]
+        if compiled:
           pd = record["per_device"]
           row.update(
             compiled_total_bytes=pd["total_bytes"],

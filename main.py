@@ -89,6 +89,7 @@ def main(argv):
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   import gin  # pylint: disable=g-import-not-at-top
+
   from lctx import gin_utils  # pylint: disable=g-import-not-at-top
 
   _set_fake_devices(

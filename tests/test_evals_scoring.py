@@ -139,9 +139,10 @@ def test_make_batch_right_pads():
 def test_real_transformer_padding_invariant_and_greedy():
   """lctx.models.Transformer (tiny, reference attention): right padding to a
   length multiple leaves the scores unchanged, and exact match == greedy."""
-  from lctx.models import Transformer, tiny
+  from lctx import configs
+  from lctx.models import Transformer
 
-  model = Transformer(tiny(vocab_size=E))
+  model = Transformer(configs.model_config("tiny", vocab_size=E))
   x0 = np.zeros((1, 8), np.int32)
   params = model.init(jax.random.PRNGKey(1), x0, x0, x0 + 1)["params"]
   apply = jax.jit(lambda x, p, s: model.apply({"params": params}, x, p, s))

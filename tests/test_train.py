@@ -225,6 +225,12 @@ def test_ulysses_head_chunks_reach_the_train_step():
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *[r[1] for r in results]
   )
+  with pytest.raises(ValueError, match="head_chunks.*strategy 'none'"):
+    Trainer(
+      TINY,
+      TrainConfig(batch_size=8, seq_len=64, ulysses_head_chunks=2),
+      mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8, context=1)),
+    )
   with pytest.raises(ValueError, match="head_chunks"):
     Trainer(
       TINY,

@@ -217,6 +217,10 @@ def make_context_plan(
       )
     if load_balance:
       raise ValueError("[none-load-balance] strategy 'none' has no ring to balance")
+    if head_chunks is not None:
+      raise ValueError(
+        "[head-chunks] ulysses_head_chunks stages the ulysses all-to-all; strategy 'none' has none"
+      )
   else:
     validate_context_parallel(
       strategy=strategy,

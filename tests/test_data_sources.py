@@ -137,3 +137,22 @@ def test_default_config_first_fit_fill_ratio(default_cache):
   )
   seg = np.stack([next(it)["segment_ids"] for _ in range(100)])  # 800 rows
   assert (seg > 0).mean() >= 0.98
+
+
+def test_split_never_leaves_train_empty_and_ignores_where_the_corpus_lives():
+  keys = [f"/data/books/d{i}.txt" for i in range(4)]
+  # A fraction near 1 puts every document in validation by hash; one stays in train.
+  train, val = corpus.split_keys(keys, 0.999)
+  assert train and val and sorted(train + val) == keys
+  # Few documents and a small fraction: validation still gets one.
+  train, val = corpus.split_keys(keys, 0.001)
+  assert train and val and sorted(train + val) == keys
+  # The same files under another directory split the same way.
+  for fraction in (0.3, 0.5):
+    a = corpus.split_keys(keys, fraction)
+    moved = [k.replace("/data/books", "/tmp/pytest-of-ci/pytest-49/x/docs") for k in keys]
+    b = corpus.split_keys(moved, fraction)
+    assert [[k.rsplit("/", 1)[1] for k in part] for part in a] == [
+      [k.rsplit("/", 1)[1] for k in part] for part in b
+    ]
+  assert corpus.split_keys(keys, 0.0) == (keys, [])

@@ -104,14 +104,31 @@ def iter_documents(text_glob: str | None = None) -> Iterator[tuple[str, bytes]]:
 
 
 def split_keys(keys: list[str], validation_fraction: float) -> tuple[list[str], list[str]]:
-  """(train, validation) by a stable hash of each key, never an empty split
-  when there are >= 2 documents (tiny corpora in tests still get both)."""
-  val = [k for k in keys if is_validation(k, validation_fraction)]
-  if not val and len(keys) >= 2 and validation_fraction > 0:
-    val = [keys[-1]]
+  """(train, validation) by a stable hash of each key.
+
+  File paths are hashed relative to the corpus' common directory, so the same
+  files give the same split wherever the corpus lives (a temp dir, another
+  machine). With >= 2 documents and 0 < validation_fraction < 1 neither split is
+  empty: tiny corpora in tests still get both.
+  """
+  names = _split_names(keys)
+  val = [k for k, n in zip(keys, names) if is_validation(n, validation_fraction)]
+  if len(keys) >= 2 and 0 < validation_fraction < 1:
+    if not val:
+      val = [keys[-1]]
+    elif len(val) == len(keys):
+      val = val[1:]
   val_set = set(val)
   train = [k for k in keys if k not in val_set]
   return train, val
+
+
+def _split_names(keys: list[str]) -> list[str]:
+  """What the split hashes: absolute paths relative to their common directory."""
+  if len(keys) < 2 or not all(os.path.isabs(k) for k in keys):
+    return list(keys)
+  root = os.path.commonpath(keys)
+  return [os.path.relpath(k, root) for k in keys]
 
 
 def is_validation(key: str, validation_fraction: float) -> bool:

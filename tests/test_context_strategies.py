@@ -5,6 +5,8 @@ subset; the full matrix (strategy x mesh x causal x load balancing x heads) is
 marked slow.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -266,3 +268,43 @@ def test_ring_piece_pairs_match_reference(heads, causal, window, lb):
     )
 
   _check(ours, ref, q, k, v, w)
+
+
+def _stacked_shapes(jaxpr_text, leading, lengths):
+  """Shapes in a jaxpr whose leading dim is in `leading` and that carry a
+  sequence axis of one of `lengths` (a per-iteration copy of a chunk)."""
+  found = set()
+  for m in re.finditer(r"\w+\[(\d+(?:,\d+)+)\]", jaxpr_text):
+    dims = [int(d) for d in m.group(1).split(",")]
+    if dims[0] in leading and any(d in lengths for d in dims[1:]):
+      found.add(m.group(0))
+  return sorted(found)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_ring_under_layer_scan_keeps_no_per_hop_copies(remat):
+  """The ring inside a (remat'd) layer scan, differentiated: nothing is stacked
+  per hop or per piece pair. Segment ids and positions are loop constants of
+  the layer scan; without the barriers in lctx/parallel/ring.py jax's partial
+  evaluation hoisted the masks, pieces and cond residuals of every (hop, pair)
+  out of the loops as [hops, pairs, ...] arrays (f32 [15, 64, 8, 8192, 128] at
+  Llama-8B on v5p)."""
+  mesh = _mesh("c8")
+  t, pieces = 512, 2  # 64 tokens per device, pieces of 32: 7 hops x 4 pairs
+  q, k, v, _ = _inputs("mha", b=1, t=t)
+  seg, pos = packed_batch(1, t, True)
+  attn = make_attention_fn(mesh, "ring", load_balance=False, sub_chunks=pieces)
+
+  def layer(x):
+    return attn(x, k, v, segment_ids=seg, positions=pos)
+
+  if remat:
+    layer = jax.checkpoint(layer)
+
+  def loss(x):
+    out, _ = jax.lax.scan(lambda c, _: (layer(c), None), x, None, length=2)
+    return out.astype(jnp.float32).sum()
+
+  text = str(jax.make_jaxpr(jax.grad(loss))(q))
+  local = t // 8
+  assert _stacked_shapes(text, {7, pieces * pieces}, {local, local // pieces}) == []

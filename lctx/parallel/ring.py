@@ -43,12 +43,23 @@ def _put(x, piece, i, axis=1):
   return jax.lax.dynamic_update_slice_in_dim(x, piece, i * piece.shape[axis], axis=axis)
 
 
-def _pairs(c, body, carry):
-  """Runs body(i, j, carry) over the c x c (q piece, kv piece) pairs: one traced
-  body instead of c^2 unrolled kernel calls (cheap tracing at 8 x 8 pieces)."""
+def _pairs(c, body, carry, operands):
+  """Runs body(i, j, carry, operands) over the c x c (q piece, kv piece) pairs:
+  one traced body instead of c^2 unrolled kernel calls (cheap tracing at 8 x 8).
+
+  The loop-invariant operands (the arrays the pieces are cut from) pass through
+  an optimization barrier with the carry in every iteration, so partial
+  evaluation (remat, a linearized layer scan) cannot hoist their pieces out of
+  the loop as stacked `[pairs, ...]` copies (see _opaque).
+  """
   if c == 1:
-    return body(0, 0, carry)
-  return jax.lax.fori_loop(0, c * c, lambda p, cr: body(p // c, p % c, cr), carry)
+    return body(0, 0, carry, operands)
+
+  def step(p, cr):
+    cr, ops = jax.lax.optimization_barrier((cr, operands))
+    return body(p // c, p % c, cr, ops)
+
+  return jax.lax.fori_loop(0, c * c, step, carry)
 
 
 def _starts(axis, size, t, hop):
@@ -67,10 +78,10 @@ def _layout(cfg, size, q, starts, i, j, s):
 def _hop_forward(q, seg, pos, kv, acc, c, cfg, size, starts):
   """Merges one visiting K/V block into the (o, lse) accumulators, piece pair by
   piece pair; a pair whose keys are all masked for its queries is skipped."""
-  k, v, ks, kp = kv
   s = q.shape[1] // c
 
-  def body(i, j, acc):
+  def body(i, j, acc, operands):
+    q, seg, pos, (k, v, ks, kp) = operands
     o, lse = acc
     qi, qsi, qpi = _piece(q, i, s), _piece(seg, i, s), _piece(pos, i, s)
     kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
@@ -88,11 +99,27 @@ def _hop_forward(q, seg, pos, kv, acc, c, cfg, size, starts):
     )
     return _put(o, oi, i), _put(lse, li, i, axis=2)
 
-  return _pairs(c, body, acc)
+  return _pairs(c, body, acc, (q, seg, pos, kv))
+
+
+def _opaque(*xs):
+  """The arguments, behind one optimization barrier, so the ring is one unit to
+  JAX's partial evaluation.
+
+  Under a layer `lax.scan` (nn.scan) the model's segment ids and positions are
+  loop constants while q/k/v vary. Linearizing the layer scan hoists whatever
+  depends only on loop constants out of it (jax's `_scan_known_hoisting`), and
+  that reaches into the hop scan and the pairs loop: the masks, block maps and
+  `lax.cond` residuals of every (hop, pair) were computed up front and kept,
+  stacked `[hops, pairs, ...]` (f32 `[15, 64, 8, 8192, 128]` buffers at Llama-8B
+  on v5p). Behind the barrier everything depends on q, so nothing is hoisted.
+  """
+  return jax.lax.optimization_barrier(xs)
 
 
 def _ring_forward(cfg, axis, size, q, k, v, seg, pos):
   """Returns out `[B, T, N, V]` (q.dtype) and lse `[B, N, T]` float32."""
+  q, k, v, seg, pos = _opaque(q, k, v, seg, pos)
   b, t, n, _ = q.shape
   c = _n_chunks(cfg, t)
   o0 = jnp.zeros((b, t, n, v.shape[-1]), jnp.float32)
@@ -125,11 +152,10 @@ def _ring_fwd(cfg, axis, size, q, k, v, seg, pos):
 
 def _hop_backward(res, kv, dkv, dq, c, cfg, size, starts):
   """Adds one visiting block's contributions to dq (local) and dk/dv (travelling)."""
-  q, seg, pos, out, lse, dout = res
-  k, v, ks, kp = kv
-  s = q.shape[1] // c
+  s = res[0].shape[1] // c
 
-  def body(i, j, carry):
+  def body(i, j, carry, operands):
+    (q, seg, pos, out, lse, dout), (k, v, ks, kp) = operands
     dq, dk, dv = carry
     qi, qsi, qpi, oi, doi = (_piece(x, i, s) for x in (q, seg, pos, out, dout))
     li = _piece(lse, i, s, axis=2)
@@ -159,12 +185,12 @@ def _hop_backward(res, kv, dkv, dq, c, cfg, size, starts):
     )
     return _put(dq, dqi, i), _put(dk, dkj, j), _put(dv, dvj, j)
 
-  dq, dk, dv = _pairs(c, body, (dq, dkv[0], dkv[1]))
+  dq, dk, dv = _pairs(c, body, (dq, dkv[0], dkv[1]), (res, kv))
   return dq, (dk, dv)
 
 
 def _ring_bwd(cfg, axis, size, res, dout):
-  q, k, v, seg, pos, out, lse = res
+  q, k, v, seg, pos, out, lse, dout = _opaque(*res, dout)
   c = _n_chunks(cfg, q.shape[1])
   res = (q, seg, pos, out, lse, dout)
   dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v, dout)

@@ -18,8 +18,9 @@ Model and run settings are gin/models/llama3_8b.gin + gin/runs/tpu_pg19.gin
 blocks of 2,048), as the TPU gin files use.
 
 Compiled results are cached in bench_results/bench_memory_cache.json, keyed by
-a hash of the operative config (model, train, mesh) and the topology, so a
-rerun compiles only the cells whose config changed. A full-size compile takes
+a hash of the operative config (model, train, mesh), the topology and the
+sources that shape the step (CODE_PATHS), so a rerun compiles only the cells
+whose config or code changed. A full-size compile takes
 minutes and several GiB on 2 cores: run it under the shared lock, and pick
 cells with --only / --lengths / --strategies / --topologies; --planner_only
 compiles nothing (rows then say 'planner only').
@@ -92,13 +93,37 @@ def experiment(params: list[str]):
   return configs.experiment()
 
 
+# The code that decides the compiled train step: a change here recompiles.
+CODE_PATHS = ("lctx/kernels", "lctx/parallel", "lctx/models", "lctx/trainer.py", "lctx/compile.py")
+
+
+def code_hash() -> str:
+  """Hash of the sources of CODE_PATHS (a cached figure is only as good as the
+  code it was compiled from)."""
+  h = hashlib.sha256()
+  for rel in CODE_PATHS:
+    path = os.path.join(ROOT, rel)
+    files = (
+      sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py"))
+      if os.path.isdir(path)
+      else [path]
+    )
+    for name in files:
+      h.update(os.path.relpath(name, ROOT).encode())
+      with open(name, "rb") as f:
+        h.update(f.read())
+  return h.hexdigest()[:16]
+
+
 def cache_key(exp, topology: str) -> str:
-  """Hash of what decides the compiled program: model, train and mesh configs."""
+  """Hash of what decides the compiled program: model, train and mesh configs,
+  the topology and the code (code_hash)."""
   body = {
     "model": dataclasses.asdict(exp.model),
     "train": dataclasses.asdict(exp.train),
     "mesh": dataclasses.asdict(exp.mesh),
     "topology": topology,
+    "code": code_hash(),
   }
   return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -172,6 +197,12 @@ def main(argv=None) -> None:
     help="override TrainConfig.attention_backend (e.g. 'blockwise', the kernel the planner's "
     "coefficients were fitted to); default: the gin files' ('auto')",
   )
+  ap.add_argument(
+    "--compare_blockwise",
+    action="store_true",
+    help="also compile each compiled cell with attention_backend 'blockwise' (the pure-JAX "
+    "fallback), so the row shows the TPU kernel's memory against it at the same length",
+  )
   ap.add_argument("--timeout", type=int, default=1500, help="seconds per compile")
   ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench_memory.json"))
   ap.add_argument("--cache", default=os.path.join(ROOT, "bench_results", "bench_memory_cache.json"))
@@ -239,6 +270,8 @@ def main(argv=None) -> None:
             row["planner_error_pct"] = round(
               100.0 * (row["planner_total_bytes"] - pd["total_bytes"]) / pd["total_bytes"], 1
             )
+        if compiled and args.compare_blockwise and not args.attention_backend:
+          row.update(_blockwise_cell(strategy, topology, seq_len, cache, args))
         rows.append(row)
 
   out = {
@@ -256,6 +289,35 @@ def main(argv=None) -> None:
   print(f"wrote {args.out}")
 
 
+def _cached_compile(params, topology, cache, args, label) -> dict | None:
+  """The compile.json record of `params` on `topology`, from the cache or compiled
+  now (and cached); None when it neither compiled nor ran out of memory."""
+  key = cache_key(experiment(params), topology)
+  record = cache.get(key)
+  if record is None:
+    print(f"compiling {label} ...", flush=True)
+    record = compile_cell(params, topology, args.timeout)
+    if "per_device" not in record:
+      return None
+    cache[key] = record
+    os.makedirs(os.path.dirname(args.cache), exist_ok=True)
+    with open(args.cache, "w") as f:
+      json.dump(cache, f, indent=1)
+  return record
+
+
+def _blockwise_cell(strategy, topology, seq_len, cache, args) -> dict:
+  """The same cell with the blockwise kernel: its compiled total and fit."""
+  params = cell_params(strategy, topology, seq_len, "blockwise")
+  record = _cached_compile(params, topology, cache, args, f"{strategy}@{topology} blockwise")
+  if record is None:
+    return {"blockwise_total_bytes": None, "blockwise_fits": None}
+  return {
+    "blockwise_total_bytes": record["per_device"]["total_bytes"],
+    "blockwise_fits": record["fits"],
+  }
+
+
 def _g(x) -> str:
   return "-" if x is None else f"{x / GiB:.1f}"
 
@@ -264,7 +326,7 @@ def table(rows: list[dict]) -> str:
   head = (
     f"{'topology':12s} {'len':>4s} {'strategy':10s} {'mesh (f x c x u)':>16s} {'B':>3s} "
     f"{'planner GiB':>11s} {'fits':>5s} {'compiled GiB':>12s} {'fits':>5s} {'err %':>6s} "
-    f"{'host/VM GiB':>11s}  source"
+    f"{'host/VM GiB':>11s} {'blockwise GiB':>13s}  source"
   )
   lines = [head, "-" * len(head)]
   for r in rows:
@@ -277,7 +339,8 @@ def table(rows: list[dict]) -> str:
       f"{'yes' if r['planner_fits'] else 'NO':>5s} {_g(r.get('compiled_total_bytes')):>12s} "
       f"{'-' if fits_c is None else ('yes' if fits_c else 'NO'):>5s} "
       f"{r.get('planner_error_pct', '-')!s:>6s} "
-      f"{_g(r.get('compiled_host_bytes_per_vm', r['planner_host_bytes_per_vm'])):>11s}  "
+      f"{_g(r.get('compiled_host_bytes_per_vm', r['planner_host_bytes_per_vm'])):>11s} "
+      f"{_g(r.get('blockwise_total_bytes')):>13s}  "
       f"{r['source']}" + (f" ({r['invalid']})" if r["invalid"] else "")
     )
   return "\n".join(lines)

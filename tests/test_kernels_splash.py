@@ -345,11 +345,10 @@ def _compiled_train_step(path, monkeypatch):
   kind, with every blockwise kernel entry made to fail if attention traces it."""
   topology, mesh_params = FLAGSHIPS[path]
   gin.clear_config()
-  # 'auto' whatever the file pins: ring_v5p / usp_ironwood pin blockwise at full
-  # size for memory (their headers say why); the kernel path is tested here.
-  gin_utils.parse([path], [*TINY, *mesh_params, "TrainConfig.attention_backend = 'auto'"], [ROOT])
+  gin_utils.parse([path], [*TINY, *mesh_params], [ROOT])
   exp = configs.experiment()
   gin.clear_config()
+  assert exp.train.attention_backend == "auto", f"{path} pins a kernel; 'auto' must take splash"
 
   def no_blockwise(*a, **k):
     raise AssertionError("attention traced the blockwise kernel")

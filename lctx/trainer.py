@@ -246,6 +246,36 @@ def context_plan(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig) -> paral
 # ----------------------------------------------------------------------------
 # The trainer object: everything jitted, with explicit shardings.
 # ----------------------------------------------------------------------------
+# libtpu 0.0.42.1 aborts the whole process (llo_loop.cc:165, no Python error)
+# compiling a layer scan that offloads one value of this many elements or more
+# per device (measured: Llama-8B at 524,288 tokens per device on v5p:4x4x4).
+OFFLOAD_ELEMENT_LIMIT = 2**31
+
+
+def _check_offloaded_input_size(model_cfg, train_cfg, mesh, batch_ways, seq_ways) -> None:
+  """Refuses, before the compiler can abort, a TPU setup whose offloaded layer
+  input (per piece) reaches OFFLOAD_ELEMENT_LIMIT elements per device."""
+  choices = model_cfg.remat_choices or {}
+  if mesh.devices.flat[0].platform != "tpu" or choices.get("layer_input") != "offload":
+    return
+  rows = max(1, train_cfg.batch_size // batch_ways)
+  tokens = train_cfg.seq_len // seq_ways
+  per_piece = rows * tokens * model_cfg.d_model // model_cfg.layer_input_pieces
+  if per_piece >= OFFLOAD_ELEMENT_LIMIT:
+    need = next(
+      k
+      for k in range(model_cfg.layer_input_pieces + 1, model_cfg.d_model + 1)
+      if model_cfg.d_model % k == 0
+      and rows * tokens * model_cfg.d_model // k < OFFLOAD_ELEMENT_LIMIT
+    )
+    raise ValueError(
+      f"the offloaded layer input is {rows} x {tokens:,} x {model_cfg.d_model} = "
+      f"{rows * tokens * model_cfg.d_model:,} elements per device in "
+      f"{model_cfg.layer_input_pieces} piece(s); libtpu aborts the compile at 2**31 "
+      f"elements per offloaded value. Set ModelConfig.layer_input_pieces = {need}."
+    )
+
+
 class Trainer:
   """Holds the model, optimizer, shardings and the compiled steps."""
 
@@ -263,12 +293,13 @@ class Trainer:
     self.model = models.Transformer(model_cfg, self.attention_fn)
     self.tx, self.schedule = make_optimizer(train_cfg)
     self.batch_sharding = mesh_lib.batch_sharding(mesh)
-    batch_ways, _ = mesh_lib.batch_shard_counts(mesh)
+    batch_ways, seq_ways = mesh_lib.batch_shard_counts(mesh)
     if train_cfg.batch_size % batch_ways:
       raise ValueError(
         f"batch_size={train_cfg.batch_size} is not divisible by the batch "
         f"sharding data x fsdp = {batch_ways}."
       )
+    _check_offloaded_input_size(model_cfg, train_cfg, mesh, batch_ways, seq_ways)
     self.rules = mesh_lib.LOGICAL_RULES
 
     # Shapes first (no memory), then shardings from the logical names.

@@ -93,6 +93,14 @@ def test_policy_matches_no_remat(policy, group, reference):
   _check_same(_cfg(policy, group), reference)
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_layer_input_in_pieces_matches_no_remat(group, reference):
+  """layer_input_pieces splits the saved (offloaded) input along d_model."""
+  _check_same(
+    dataclasses.replace(_cfg("offload_layer_inputs", group), layer_input_pieces=4), reference
+  )
+
+
 def test_group_keeps_the_scanned_param_layout(reference):
   params, _ = reference
   inputs, pos, seg = _batch()
@@ -136,6 +144,7 @@ def test_presets_and_custom_choices():
     (dict(remat_policy="none", remat_group_size=2), "needs a remat policy"),
     (dict(remat_policy="full", remat_group_size=2, scan_layers=False), "scan_layers=True"),
     (dict(remat_policy="full", remat_group_size=0), "remat_group_size must be"),
+    (dict(layer_input_pieces=3), r"layer_input_pieces must be a positive divisor of d_model"),
   ],
 )
 def test_invalid_remat_configs_raise_clear_errors(overrides, message):
@@ -160,7 +169,9 @@ TPU = models.ModelConfig(
 TOKENS_PER_DEVICE = 1024
 
 
-def _tpu_memory(policy, group=1, custom=(), config=TPU, seq_len=TOKENS_PER_DEVICE):
+def _tpu_memory(
+  policy, group=1, custom=(), config=TPU, seq_len=TOKENS_PER_DEVICE, compile_step=True
+):
   from lctx import compile as compile_lib
   from lctx.parallel import mesh as mesh_lib
   from lctx.trainer import TrainConfig, Trainer
@@ -174,7 +185,8 @@ def _tpu_memory(policy, group=1, custom=(), config=TPU, seq_len=TOKENS_PER_DEVIC
   )
   train = TrainConfig(batch_size=4, seq_len=seq_len, context_parallel_strategy="none")
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, context=1), devices=devices)
-  return Trainer(cfg, train, mesh).lower_train_step().compile().memory_analysis()
+  trainer = Trainer(cfg, train, mesh)
+  return trainer.lower_train_step().compile().memory_analysis() if compile_step else trainer
 
 
 def test_tpu_offload_moves_named_tensors_to_host_and_groups_divide_them():
@@ -189,6 +201,21 @@ def test_tpu_offload_moves_named_tensors_to_host_and_groups_divide_them():
   assert offload.temp_size_in_bytes < full.temp_size_in_bytes
   assert grouped.host_temp_size_in_bytes == inputs_bytes // 4
   assert custom.host_temp_size_in_bytes == inputs_bytes + layers * tok * TPU.mlp_dim * 2
+  pieces = _tpu_memory(
+    "offload_layer_inputs", config=dataclasses.replace(TPU, layer_input_pieces=2)
+  )
+  assert pieces.host_temp_size_in_bytes == inputs_bytes
+
+
+def test_tpu_offloaded_input_over_libtpu_limit_is_refused():
+  """An offloaded layer input of >= 2**31 elements per device makes libtpu abort
+  the process; the trainer refuses it first and names the setting that fixes it."""
+  tokens = 2**31 // TPU.d_model  # 4 rows of this many tokens: one row per device
+  with pytest.raises(ValueError, match=r"Set ModelConfig.layer_input_pieces = 2\."):
+    _tpu_memory("offload_layer_inputs", seq_len=tokens, compile_step=False)
+  ok = dataclasses.replace(TPU, layer_input_pieces=2)
+  _tpu_memory("offload_layer_inputs", config=ok, seq_len=tokens, compile_step=False)
+  _tpu_memory("full", seq_len=tokens, compile_step=False)  # nothing offloaded: no limit
 
 
 @pytest.mark.slow

@@ -117,6 +117,13 @@ class ModelConfig:
     layer again rematerialised inside, so at most k inputs live at once). A
     multiple of len(attention_pattern) that divides num_layers; needs a remat
     policy other than 'none' and scan_layers=True."""
+  layer_input_pieces: int = 1
+  """Save (or offload) each layer input as this many pieces split along d_model
+    (a divisor of d_model). libtpu 0.0.42.1 aborts the compile
+    (llo_loop.cc:165) when the layer scan offloads one value of 2**31 or more
+    elements per device: Llama-8B (d_model 4096) at 524,288 tokens per device,
+    i.e. 32M tokens on 64 devices. The trainer refuses such a setup with a
+    message naming this setting."""
   scan_layers: bool = True
   """Scan over layers (one compiled block). False unrolls them (debugging)."""
   mlp_chunk_size: int | None = None
@@ -233,6 +240,14 @@ def _attention_norm_params(c: ModelConfig) -> int:
   return 0
 
 
+def _validate_layer_input_pieces(c: ModelConfig) -> None:
+  k = c.layer_input_pieces
+  if not isinstance(k, int) or k < 1 or c.d_model % k:
+    raise ValueError(
+      f"layer_input_pieces must be a positive divisor of d_model ({c.d_model}); got {k!r}"
+    )
+
+
 def _validate_remat_custom(c: ModelConfig) -> None:
   custom = c.remat_custom
   if c.remat_policy != "custom":
@@ -288,6 +303,7 @@ def validate(c: ModelConfig) -> None:
     raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}; got {c.remat_policy!r}")
   _validate_remat_custom(c)
   _validate_remat_group(c)
+  _validate_layer_input_pieces(c)
   for name in ("dtype", "param_dtype"):
     if getattr(c, name) not in DTYPES:
       raise ValueError(f"{name} must be one of {DTYPES}; got {getattr(c, name)!r}")

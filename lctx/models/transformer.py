@@ -28,6 +28,17 @@ _ACT = ("act_batch", "act_seq", "act_embed")
 LAYER_INPUT_NAME = "layer_input"
 
 
+def tag_layer_input(x, pieces: int = 1):
+  """x tagged LAYER_INPUT_NAME for the remat policy, as `pieces` values split
+  along d_model (ModelConfig.layer_input_pieces: keeps each saved or offloaded
+  value under libtpu's 2**31-element limit; d_model is not sharded, so the
+  split and the concatenation stay on each device)."""
+  if pieces == 1:
+    return checkpoint_name(x, LAYER_INPUT_NAME)
+  parts = jnp.split(x, pieces, axis=-1)
+  return jnp.concatenate([checkpoint_name(p, LAYER_INPUT_NAME) for p in parts], axis=-1)
+
+
 class DecoderLayer(nn.Module):
   """x + attn(norm(x)), then + mlp(norm(.)). x `[B, T, D]` -> `[B, T, D]`."""
 
@@ -41,7 +52,7 @@ class DecoderLayer(nn.Module):
     c = self.config
     x = constrain(x, _ACT)
     if self.tag_input:  # what 'offload_layer_inputs' and friends keep or offload
-      x = checkpoint_name(x, LAYER_INPUT_NAME)
+      x = tag_layer_input(x, c.layer_input_pieces)
     attn_cls = MLAAttention if c.attention == "mla" else GQAAttention
     h = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="attn_norm")(x)
     x = x + attn_cls(c, self.attention_fn, self.window_size, name="attention")(
@@ -143,7 +154,7 @@ def _grouped_layers(c: ModelConfig, attention_fn, stacked, x, segment_ids, posit
   outer, _ = checkpoint_policies(c)
 
   def group(x, params):  # params: leading axis `blocks`
-    x = checkpoint_name(x, LAYER_INPUT_NAME)
+    x = tag_layer_input(x, c.layer_input_pieces)
     # A scan, not a loop: its reverse pass recomputes one block at a time (an
     # unrolled loop let XLA hoist every layer's recompute: temp grew ~1 layer's
     # working set per extra layer in the group on v5p).

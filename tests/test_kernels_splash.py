@@ -6,8 +6,11 @@ Values and q/k/v gradients against `reference_attention`: the differentiable cal
 against the GLOBAL out/lse), and every context-parallel strategy on the 8-device
 CPU mesh with `kernel_backend='splash'` (zigzag load balancing, packing with
 padding, windows, GQA, MQA). The interpreter is slow: the default run keeps a few
-small cases; the strategy matrix is marked slow. The TPU compiles check that the
-train step calls the Mosaic kernel and traces no blockwise kernel in attention.
+small cases; the strategy matrix is marked slow. Strategy 'none' (the local
+plug-in, lctx/parallel/local.py) takes splash in a shard_map over the mesh. The
+TPU compiles check that the train step (ring flagship, strategy 'none') calls the
+Mosaic kernel and traces no blockwise kernel in attention, under conftest's
+matmul precision 'highest'.
 """
 
 import logging
@@ -24,12 +27,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from lctx import compile as compile_lib  # noqa: E402
-from lctx import configs, gin_utils  # noqa: E402
+from lctx import configs, gin_utils, models  # noqa: E402
 from lctx.kernels import flash, reference_attention, splash  # noqa: E402
 from lctx.parallel import mesh as mesh_lib  # noqa: E402
 from lctx.parallel.context import context_attention, make_attention_fn  # noqa: E402
+from lctx.parallel.local import local_attention_fn  # noqa: E402
 from lctx.parallel.zigzag import zigzag_reorder  # noqa: E402
-from lctx.trainer import Trainer  # noqa: E402
+from lctx.trainer import TrainConfig, Trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AUTO = jax.sharding.AxisType.Auto
@@ -223,6 +227,49 @@ def test_explicit_splash_refuses_and_auto_falls_back_with_one_log(caplog):
   assert flash.choose_backend(q, k, v, platform="cpu", layout=layout) != "splash"
 
 
+@pytest.mark.parametrize("heads", ["gqa", "mqa"])
+def test_local_plugin_on_splash_matches_reference(heads):
+  """Strategy 'none' (lctx.parallel.local): the plug-in declares natural order, so
+  splash takes the pipeline's explicit positions; it runs in a shard_map over the
+  mesh (rows over fsdp, q heads over tensor; MQA's one kv head replicated there).
+  Packed rows with padding and restarting positions, a causal window; values and
+  q/k/v gradients against the reference."""
+  mesh = jax.make_mesh(
+    (2, 2), ("fsdp", "tensor"), axis_types=(AUTO,) * 2, devices=jax.devices()[:4]
+  )
+  b, t = 2, 256
+  q, k, v = _qkv(heads, b, t)
+  seg, pos = _packed(b, t)
+  kw = dict(segment_ids=seg, window_size=100)
+  attn = local_attention_fn(kernel_backend="splash", block_q=128, block_kv=128, mesh=mesh)
+  out, vjp = jax.vjp(jax.jit(lambda q, k, v: attn(q, k, v, positions=pos, **kw)), q, k, v)
+  ro, rvjp = jax.vjp(
+    lambda q, k, v: reference_attention(q, k, v, q_positions=pos, kv_positions=pos, **kw), q, k, v
+  )
+  _close(out, ro, 2e-5, "out")
+  assert np.all(np.asarray(out)[0, t - t // 5 :] == 0)  # padding sees nothing
+  w = jax.random.normal(jax.random.key(6), out.shape)
+  for name, a, r in zip("qkv", vjp(w), rvjp(w)):
+    _close(a, r, 5e-5, "d" + name)
+
+
+def test_local_plugin_without_natural_order_refuses_splash(caplog):
+  """natural_order=False (arbitrary positions): an explicit 'splash' raises naming
+  the missing layout; 'auto' for TPU passes splash over with one logged reason."""
+  q, k, v = _qkv("gqa", 1, 128)
+  pos = np.arange(128)[None]
+  seg = np.ones((1, 128), np.int32)
+  attn = local_attention_fn(kernel_backend="splash", natural_order=False)
+  with pytest.raises(ValueError, match="backend='splash'.*token layout"):
+    attn(q, k, v, segment_ids=seg, positions=pos)
+  flash._FALLBACKS_LOGGED.clear()  # pylint: disable=protected-access
+  auto = local_attention_fn(platform="tpu", natural_order=False)
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      jax.eval_shape(lambda q, k, v: auto(q, k, v, segment_ids=seg, positions=pos), q, k, v)
+  assert len([r for r in caplog.records if "not splash" in r.getMessage()]) == 1
+
+
 # ---------------------------------------------------------------------------
 # Strategies on the 8-device CPU mesh
 # ---------------------------------------------------------------------------
@@ -349,16 +396,19 @@ def _compiled_train_step(path, monkeypatch):
   exp = configs.experiment()
   gin.clear_config()
   assert exp.train.attention_backend == "auto", f"{path} pins a kernel; 'auto' must take splash"
+  _no_blockwise(monkeypatch)
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices(topology))
+  return Trainer(exp.model, exp.train, mesh).lower_train_step().compile().as_text()
+
+
+def _no_blockwise(monkeypatch):
+  """Makes every blockwise kernel entry fail if attention traces it."""
 
   def no_blockwise(*a, **k):
     raise AssertionError("attention traced the blockwise kernel")
 
   for name in ("blockwise_attention", "blockwise_block_forward", "blockwise_block_backward"):
     monkeypatch.setattr(flash, name, no_blockwise)
-  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices(topology))
-  # Mosaic takes bf16 matmuls at default precision only; conftest sets 'highest'.
-  with jax.default_matmul_precision("default"):
-    return Trainer(exp.model, exp.train, mesh).lower_train_step().compile().as_text()
 
 
 def test_ring_flagship_compiles_with_splash_for_tpu(monkeypatch):
@@ -374,3 +424,54 @@ def test_ring_flagship_compiles_with_splash_for_tpu(monkeypatch):
 def test_flagship_compiles_with_splash_for_tpu(path, monkeypatch):
   hlo = _compiled_train_step(path, monkeypatch)
   assert compile_lib.attention_backend_of(hlo) == "splash"
+
+
+def test_strategy_none_compiles_with_splash_for_tpu(monkeypatch):
+  """Strategy 'none' (no context parallelism) on a v5p slice, rows over fsdp,
+  packed batches with positions: 'auto' takes splash (the Mosaic fwd, dkv and dq
+  kernels in a shard_map), traces no blockwise kernel, and compiles under
+  conftest's matmul precision 'highest' with bf16 activations."""
+  assert jax.config.jax_default_matmul_precision == "highest"
+  _no_blockwise(monkeypatch)
+  cfg = models.ModelConfig(
+    vocab_size=384,
+    d_model=128,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=128,
+    mlp_dim=384,
+    dtype="bfloat16",
+  )
+  train = TrainConfig(batch_size=4, seq_len=1024, context_parallel_strategy="none")
+  devices = compile_lib.topology_devices("v5p:2x2x1")
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, context=1), devices=devices)
+  trainer = Trainer(cfg, train, mesh)
+  assert trainer.plan.strategy == "none"
+  hlo = trainer.lower_train_step().compile().as_text()
+  assert compile_lib.attention_backend_of(hlo) == "splash"
+  assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # fwd, dkv, dq
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_splash_compiles_for_tpu_under_highest_precision(dtype):
+  """A user's default_matmul_precision('highest') used to reach Mosaic as fp32
+  contract precision on bf16 operands ('Bad lhs type'): bf16 kernels are traced
+  at the default precision (nothing lost: f32 accumulation), f32 keep 'highest'."""
+  mesh = jax.sharding.Mesh(compile_lib.topology_devices("v5p:2x2x1")[:1], ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def grads(q, k, v):
+    def loss(q, k, v):
+      out = flash.flash_attention(q, k, v, backend="splash", platform="tpu", block_q=128)
+      return out.astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  def arg(heads):
+    return jax.ShapeDtypeStruct((1, 256, heads, 128), jnp.dtype(dtype), sharding=sharding)
+
+  with jax.default_matmul_precision("highest"):
+    hlo = jax.jit(grads).lower(arg(4), arg(2), arg(2)).compile().as_text()
+  assert compile_lib.attention_backend_of(hlo) == "splash"
+  assert hlo.count('custom_call_target="tpu_custom_call"') == 3

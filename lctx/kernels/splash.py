@@ -47,6 +47,7 @@ give out 0 and lse MASKED_LSE, as every lctx kernel.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -332,6 +333,23 @@ def _q_natural(cfg: _Cfg, q_start, t: int):
   return cfg.order.natural(jnp.asarray(q_start, jnp.int32) + jnp.arange(t, dtype=jnp.int32))
 
 
+def _kernel_precision(dtype):
+  """The matmul precision the library's kernels are traced under.
+
+  A user's `jax.default_matmul_precision('highest')` (set for numerics; lctx's
+  tests set it) reaches the kernels' dot_generals, which carry no precision of
+  their own, as Mosaic's fp32 contract precision, and Mosaic refuses that for
+  bfloat16 operands ("Bad lhs type"), so a bf16 splash step would not compile.
+  For bf16 operands 'highest' adds nothing: products of bf16 values are exact
+  in float32 and the kernels accumulate in float32 (preferred_element_type), so
+  bf16 calls are traced at the default precision. float32 calls keep the
+  caller's setting (Mosaic takes fp32 contract precision for f32 operands).
+  """
+  if jnp.dtype(dtype) == jnp.float32:
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision("default")
+
+
 def _outside_vma_check(call, args, refs, interpret: bool):
   """Runs a library kernel call where shard_map's varying-axes check is off.
 
@@ -393,7 +411,8 @@ def _forward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq):
   else:
     call = jax.vmap(lambda a, b, c, d, e: one(a, b, c, _segment_ids(d, e)))
     args = (q, k, v, q_seg, kv_seg)
-  o, (lse,) = _outside_vma_check(call, args, (*args, qseq), cfg.interpret)
+  with _kernel_precision(q.dtype):
+    o, (lse,) = _outside_vma_check(call, args, (*args, qseq), cfg.interpret)
   seen = lse > _VALID_LSE
   o = jnp.where(seen[..., None], o.astype(jnp.float32), 0.0)
   return o, jnp.where(seen, lse, MASKED_LSE)
@@ -456,7 +475,8 @@ def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
   else:
     call = jax.vmap(lambda a, b, c, d, e, f, qs, ks: one(a, b, c, d, e, f, _segment_ids(qs, ks)))
     args = (q, k, v, lse, do, di, q_seg, kv_seg)
-  g = _outside_vma_check(call, args, (*args, qseq), cfg.interpret)
+  with _kernel_precision(q.dtype):
+    g = _outside_vma_check(call, args, (*args, qseq), cfg.interpret)
   return tuple(x.astype(jnp.float32) for x in g)
 
 

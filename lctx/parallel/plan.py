@@ -130,7 +130,7 @@ class ContextPlan:
       platform=self.platform,
     )
     if self.strategy == "none":
-      return local_attention_fn(**kw)
+      return local_attention_fn(mesh=self.mesh, **kw)
     return make_attention_fn(
       self.mesh,
       self.strategy,

@@ -38,6 +38,16 @@ SHRUNK_MESH = {
     "MeshConfig.context_ulysses = 2",
     "MeshConfig.tensor = 2",
   ],
+  "gin/long_v5p.gin": [
+    "MeshConfig.context = 2",
+    "MeshConfig.context_ulysses = 2",
+    "MeshConfig.tensor = 2",
+  ],
+  "gin/long_ironwood.gin": [
+    "MeshConfig.context = 2",
+    "MeshConfig.context_ulysses = 2",
+    "MeshConfig.tensor = 2",
+  ],
   "gin/ring_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/allgather_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/ulysses_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],

@@ -55,6 +55,10 @@ TOPOLOGIES = ("v5p:4x4x4", "tpu7x:4x4x4")
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
 LENGTHS = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
 ULYSSES = 8  # Llama-3.1-8B's kv heads: the widest all-to-all the heads allow
+# The length records (issue 14): gin file -> the slice its header names.
+RECORDS = {"gin/long_v5p.gin": "v5p:4x4x4", "gin/long_ironwood.gin": "tpu7x:4x4x4"}
+# GPU nodes have no deviceless compiler here: the planner's estimate, labelled.
+GPU_RECORD = ("h100x8", "gin/long_v5p.gin", {"context": 2, "context_ulysses": 4})
 
 
 def mesh_for(strategy: str, devices: int) -> tuple[dict[str, int], int]:
@@ -87,9 +91,9 @@ def cell_params(strategy: str, topology: str, seq_len: int, backend: str = "") -
   ]
 
 
-def experiment(params: list[str]):
+def experiment(params: list[str], gin_files=GIN_FILES):
   gin.clear_config()
-  gin_utils.parse(list(GIN_FILES), params, search_paths=[ROOT])
+  gin_utils.parse(list(gin_files), params, search_paths=[ROOT])
   return configs.experiment()
 
 
@@ -128,11 +132,11 @@ def cache_key(exp, topology: str) -> str:
   return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def compile_cell(params: list[str], topology: str, timeout: int) -> dict:
+def compile_cell(params: list[str], topology: str, timeout: int, gin_files=GIN_FILES) -> dict:
   """--mode=compile in a subprocess; the compile.json record (or an error)."""
   with tempfile.TemporaryDirectory() as workdir:
     cmd = [sys.executable, os.path.join(ROOT, "main.py"), "--mode=compile"]
-    cmd += [f"--gin_file={g}" for g in GIN_FILES]
+    cmd += [f"--gin_file={g}" for g in gin_files]
     cmd += [f"--gin_param={p}" for p in params]
     cmd += [f"--compile_topology={topology}", f"--workdir={workdir}"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -179,6 +183,114 @@ def planner_row(exp, topology: str) -> dict:
   }
 
 
+def record_rows(cache, args) -> list[dict]:
+  """The record gin files compiled for their slices (cached like the cells)."""
+  rows = []
+  for path, topology in RECORDS.items():
+    exp = experiment([], gin_files=(path,))
+    key = cache_key(exp, topology)
+    record = cache.get(key)
+    if record is None and not args.planner_only:
+      print(f"compiling {path} for {topology} ...", flush=True)
+      record = compile_cell([], topology, args.timeout, gin_files=(path,))
+      if "per_device" in record:
+        cache[key] = record
+        with open(args.cache, "w") as f:
+          json.dump(cache, f, indent=1)
+    m = exp.model
+    row = {
+      "gin_file": path,
+      "topology": topology,
+      "seq_len": exp.train.seq_len,
+      "tokens_per_step": exp.train.batch_size * exp.train.seq_len,
+      "strategy": exp.train.context_parallel_strategy,
+      "mesh": dataclasses.asdict(exp.mesh),
+      "policy": f"{m.remat_policy}, groups of {m.remat_group_size}, "
+      f"input in {m.layer_input_pieces} piece(s)",
+      "source": "compiled" if record and "per_device" in record else "not compiled",
+    }
+    if record and "per_device" in record:
+      pd = record["per_device"]
+      row.update(
+        fits=record["fits"],
+        total_bytes=pd["total_bytes"],
+        allocated_hbm_bytes=record.get("allocated_hbm_bytes_per_device"),
+        hbm_bytes_per_device=record["hbm_bytes_per_device"],
+        host_bytes_per_device=pd["host_bytes"],
+        host_bytes_per_vm=record["host_bytes_per_vm"],
+        host_ram_bytes_per_vm=record["host_ram_bytes_per_vm"],
+        attention_backend=record["attention_backend"],
+        compile_seconds=record["compile_seconds"],
+        # cost_analysis() counts each loop body once: see matmul_flops_per_device.
+        flops_per_device_cost_analysis=record.get("flops_per_device"),
+        matmul_flops_per_device=record.get("matmul_flops_per_device"),
+      )
+    elif record:
+      row["error"] = record.get("error")
+    rows.append(row)
+  rows.append(gpu_record_row())
+  return rows
+
+
+def gpu_record_row() -> dict:
+  """The longest length (in 1M steps) the planner says fits the GPU node with the
+  record's memory toolkit: an estimate, not a compile."""
+  hardware_name, path, mesh = GPU_RECORD
+  target = hardware.parse_target(hardware_name)
+  best = None
+  for millions in range(1, 33):
+    params = [f"MeshConfig.{a} = {n}" for a, n in mesh.items()]
+    params += ["TrainConfig.context_parallel_strategy = 'usp'"]
+    params += [f"TrainConfig.seq_len = {millions << 20}"]
+    exp = experiment(params, gin_files=(path,))
+    setup = planner.make_setup(
+      exp,
+      strategy="usp",
+      mesh={**mesh, "data": 1, "fsdp": 1, "tensor": 1},
+      remat_policy=exp.model.remat_policy,
+    )
+    ev = planner.evaluate(planner.model_dims(exp.model), setup, target)
+    if not ev["fits"]:
+      break
+    best = (millions << 20, ev)
+  row = {
+    "gin_file": path,
+    "topology": hardware_name,
+    "strategy": "usp",
+    "mesh": mesh,
+    "source": planner.ESTIMATE_LABEL,
+  }
+  if best:
+    row.update(
+      seq_len=best[0],
+      tokens_per_step=best[0],
+      total_bytes=best[1]["per_device_total_bytes"],
+      host_bytes_per_device=best[1]["host_bytes_per_device"],
+      fits=True,
+    )
+  else:
+    row.update(seq_len=None, fits=False, note="1M tokens already does not fit (estimate)")
+  return row
+
+
+def records_table(rows: list[dict]) -> str:
+  head = (
+    f"{'gin file':24s} {'slice':12s} {'tokens':>12s} {'HBM GiB':>8s} {'alloc':>6s} "
+    f"{'host/VM GiB':>11s} {'fits':>5s} {'matmul TFLOP/dev':>16s}  source"
+  )
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    flops = r.get("matmul_flops_per_device")
+    lines.append(
+      f"{r['gin_file']:24s} {r['topology']:12s} {r.get('seq_len') or 0:>12,d} "
+      f"{_g(r.get('total_bytes')):>8s} {_g(r.get('allocated_hbm_bytes')):>6s} "
+      f"{_g(r.get('host_bytes_per_vm')):>11s} "
+      f"{'-' if r.get('fits') is None else ('yes' if r['fits'] else 'NO'):>5s} "
+      f"{'-' if flops is None else f'{flops / 1e12:,.0f}':>16s}  {r['source']}"
+    )
+  return "\n".join(lines)
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
@@ -203,6 +315,12 @@ def main(argv=None) -> None:
     help="also compile each compiled cell with attention_backend 'blockwise' (the pure-JAX "
     "fallback), so the row shows the TPU kernel's memory against it at the same length",
   )
+  ap.add_argument(
+    "--records",
+    action="store_true",
+    help="the length records instead of the matrix: the RECORDS gin files compiled for "
+    "their slices, and the planner's estimate for 8 x H100",
+  )
   ap.add_argument("--timeout", type=int, default=1500, help="seconds per compile")
   ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench_memory.json"))
   ap.add_argument("--cache", default=os.path.join(ROOT, "bench_results", "bench_memory_cache.json"))
@@ -214,6 +332,15 @@ def main(argv=None) -> None:
   if os.path.exists(args.cache):
     with open(args.cache) as f:
       cache = json.load(f)
+
+  if args.records:
+    rows = record_rows(cache, args)
+    out_path = args.out.replace(".json", "_records.json")
+    with open(out_path, "w") as f:
+      json.dump({"model": "Llama-3.1-8B", "rows": rows}, f, indent=1)
+    print(records_table(rows))
+    print(f"wrote {out_path}")
+    return
 
   rows = []
   for topology in args.topologies.split(","):

@@ -186,7 +186,26 @@ def _oom_bytes(message: str) -> tuple[int | None, int | None]:
   return None, None
 
 
+def _matmul_flops(hlo: str) -> dict[str, Any]:
+  """Extras: the matmul FLOPs one device executes, loops at their trip counts
+  (`lctx/hlo_flops.py`), and the Mosaic kernel calls whose FLOPs HLO hides."""
+  from lctx import hlo_flops  # pylint: disable=g-import-not-at-top
+
+  try:
+    count = hlo_flops.matmul_flops(hlo)
+  except Exception as err:  # pylint: disable=broad-except
+    return {"matmul_flops_error": f"{type(err).__name__}: {err}"[:500]}
+  return {
+    "matmul_flops_per_device": count["dot_flops"],
+    "matmul_flops_per_device_min": count["dot_flops_min"],
+    "kernel_custom_calls": count["custom_calls"],
+    "kernel_custom_calls_by_kernel": count["custom_calls_by_kernel"],
+    "unknown_trip_count_loops": count["unknown_trip_count_loops"],
+  }
+
+
 def _flops(compiled) -> float | None:
+  """cost_analysis() flops: every loop body counted once, Mosaic kernels as zero."""
   try:
     cost = compiled.cost_analysis()
   except Exception:  # pylint: disable=broad-except
@@ -282,6 +301,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   record["per_device"] = per_device
   record["host_bytes_per_vm"] = per_device["host_bytes"] * devices_per_vm
   record["flops_per_device"] = _flops(compiled)
+  record.update(_matmul_flops(hlo))
   hbm_ok = per_device["total_bytes"] <= accel.hbm_bytes_per_device
   host_ok = record["host_bytes_per_vm"] <= accel.host_ram_bytes_per_host
   record["fits"] = hbm_ok and host_ok
@@ -350,6 +370,14 @@ def summary(record: dict[str, Any]) -> str:
   if r.get("largest_buffers"):
     lines.append("  largest HBM slots per device (size: the values sharing it):")
     lines += [f"    {row}" for row in r["largest_buffers"][:5]]
+  if r.get("matmul_flops_per_device") is not None:
+    lines.append(
+      f"  matmul FLOPs per device: {r['matmul_flops_per_device']:.4g} (HLO dots x loop trip "
+      f"counts) + {r['kernel_custom_calls']} Mosaic kernel calls not counted; cost_analysis: "
+      f"{r['flops_per_device'] or 0:.4g} (each loop body once)"
+    )
+  elif r.get("matmul_flops_error"):
+    lines.append(f"  matmul FLOPs: not counted ({r['matmul_flops_error']})")
   lines.append(f"  compiler ran {r['compile_seconds']} s")
   lines += [f"  note: {n}" for n in r["notes"]]
   if r["fits"]:

@@ -1,0 +1,449 @@
+r"""The matmul FLOPs one device executes in a compiled step, read from its HLO.
+
+`compiled.cost_analysis()["flops"]` counts every computation once: a while
+loop's body (the layer scan, remat groups, chunked MLP/loss scans, ring hops)
+adds its FLOPs once however many times it runs, and Mosaic (Pallas) kernels
+such as splash attention add nothing. For lctx's train steps that figure is
+one to two orders of magnitude below the work done.
+
+`matmul_flops(compiled.as_text())` reads the optimised HLO module instead:
+
+- every `dot` counts 2 x prod(output shape) x prod(lhs contracting dims), and
+  every `convolution` (the TPU compiler rewrites dots as convolutions, with
+  heads or chunks as spatial dimensions) 2 x (output batch x output features)
+  x input features per group x the kernel taps that land inside the padded
+  input, summed over output positions (as XLA's HloCostAnalysis counts them);
+- a computation's count is multiplied through the call graph: a `while` body by
+  the loop's trip count (`known_trip_count` in its backend config when
+  present; the TPU compiler of jax 0.10 / libtpu 0.0.42 writes none, so the
+  trip count is read from the loop itself: an induction variable that starts at
+  a constant, steps by a constant and is compared with a constant); fusions,
+  calls and async ops by the times their caller runs them; a `conditional` by
+  its most expensive branch (`dot_flops`: an upper bound) and its cheapest
+  (`dot_flops_min`: a lower bound);
+- Mosaic/Pallas and Triton custom calls are counted (with multiplicity) in
+  `custom_calls`, by kernel name in `custom_calls_by_kernel`: their FLOPs are
+  not visible in HLO and are not estimated here.
+
+A loop whose trip count cannot be read counts once and is reported in
+`unknown_trip_count_loops`. Elementwise work, reductions and collectives are
+not counted: this is the matmul figure, which dominates a transformer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Any
+
+# Custom-call targets that run a user kernel whose FLOPs HLO cannot see.
+KERNEL_TARGETS = frozenset(
+  {"tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton"}
+)
+_INSTR = re.compile(r"^\s+(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+# A computation ends with "}" (or "}, execution_thread=..." for SparseCore ones).
+_END = re.compile(r"^\}(\s*$|,\s*execution_thread=)")
+_ARRAY = re.compile(r"^[a-z]\w*\[([^\]]*)\]")
+_NAME = r"%?([^\s,}]+)"
+_CALLS = re.compile(r"\bcalls=" + _NAME)
+_TO_APPLY = re.compile(r"\bto_apply=" + _NAME)  # a `call`'s callee (elsewhere: reducers)
+_BODY = re.compile(r"\bbody=" + _NAME)
+_COND = re.compile(r"\bcondition=" + _NAME)
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRUE = re.compile(r"\btrue_computation=" + _NAME)
+_FALSE = re.compile(r"\bfalse_computation=" + _NAME)
+_CALLED = re.compile(r"\bcalled_computations=\{([^}]*)\}")
+_KNOWN_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_DIM_LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+_WINDOW = re.compile(r"\bwindow=\{([^}]*)\}")
+_LHS_CONTRACTING = re.compile(r"\blhs_contracting_dims=\{([^}]*)\}")
+_DIRECTION = re.compile(r"\bdirection=(\w+)")
+_INDEX = re.compile(r"\bindex=(\d+)")
+# Ops that pass a scalar through unchanged, for following an induction variable.
+_PASS_THROUGH = {"copy", "bitcast", "convert", "reshape", "copy-done"}
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: list[tuple[str, str | None]]  # (name, inline shape or None)
+  attrs: str
+  operand_text: str
+
+
+@dataclasses.dataclass
+class Computation:
+  name: str
+  instrs: dict[str, Instr]
+  root: Instr | None = None
+  params: dict[int, Instr] = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------
+# Parsing
+# ----------------------------------------------------------------------------
+def _balanced(text: str, start: int) -> int:
+  """Index just past the bracket group opening at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    c = text[i]
+    if c in "([{":
+      depth += 1
+    elif c in ")]}":
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  raise ValueError(f"unbalanced brackets in HLO: {text[start : start + 200]!r}")
+
+
+def _split_top(text: str) -> list[str]:
+  """Splits on commas outside brackets."""
+  parts, depth, cur = [], 0, []
+  for c in text:
+    if c in "([{":
+      depth += 1
+    elif c in ")]}":
+      depth -= 1
+    if c == "," and depth == 0:
+      parts.append("".join(cur))
+      cur = []
+    else:
+      cur.append(c)
+  if "".join(cur).strip():
+    parts.append("".join(cur))
+  return parts
+
+
+def _parse_instr(name: str, rest: str) -> Instr:
+  if rest.startswith("("):
+    end = _balanced(rest, 0)
+  else:
+    end = rest.index(" ")
+  shape, rest = rest[:end], rest[end:].lstrip()
+  m = re.match(r"([\w\-]+)\(", rest)
+  if not m:
+    raise ValueError(f"cannot parse HLO instruction {name!r}: {rest[:200]!r}")
+  close = _balanced(rest, m.end() - 1)
+  operand_text = rest[m.end() : close - 1]
+  operands = []
+  for op in _split_top(re.sub(r"/\*.*?\*/", "", operand_text)):
+    tokens = op.split()
+    if not tokens:
+      continue
+    operands.append((tokens[-1].lstrip("%"), tokens[0] if len(tokens) > 1 else None))
+  return Instr(name, shape, m.group(1), operands, rest[close:], operand_text)
+
+
+def parse(hlo_text: str) -> tuple[dict[str, Computation], str]:
+  """(computations by name, the entry computation's name) of an HLO module's text."""
+  comps: dict[str, Computation] = {}
+  entry, comp, lines = None, None, []
+
+  def flush():
+    if comp is not None and lines:
+      root, name, rest = lines[0]
+      instr = _parse_instr(name, " ".join([rest, *lines[1:]]))
+      comp.instrs[name] = instr
+      if root:
+        comp.root = instr
+      if instr.opcode == "parameter":
+        comp.params[int(instr.operand_text.strip())] = instr
+    lines.clear()
+
+  for line in hlo_text.splitlines():
+    if comp is None:
+      m = _HEADER.match(line)
+      if m and not line.startswith("HloModule"):
+        comp = Computation(m.group(2), {})
+        if m.group(1):
+          entry = comp.name
+      continue
+    if _END.match(line):
+      flush()
+      comps[comp.name] = comp
+      comp = None
+      continue
+    m = _INSTR.match(line)
+    if m and re.match(r"[\w(]", m.group(3)):
+      flush()
+      lines.append((bool(m.group(1)), m.group(2), m.group(3)))
+    elif lines:
+      lines.append(line.strip())  # a continuation (multi-line frontend attributes)
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text (pass compiled.as_text()).")
+  return comps, entry
+
+
+def dims(shape: str) -> list[int]:
+  """The dimensions of an array shape ('bf16[8,16]{1,0}' -> [8, 16])."""
+  m = _ARRAY.match(shape.strip())
+  if not m:
+    raise ValueError(f"not an array shape: {shape!r}")
+  return [int(d.replace("<=", "")) for d in m.group(1).split(",") if d.strip()]
+
+
+# ----------------------------------------------------------------------------
+# FLOPs of one instruction
+# ----------------------------------------------------------------------------
+def _operand_shape(comp: Computation, instr: Instr, i: int) -> str:
+  name, inline = instr.operands[i]
+  if inline is not None:
+    return inline
+  if name not in comp.instrs:
+    raise ValueError(f"{comp.name}/{instr.name}: operand {name!r} is not defined there")
+  return comp.instrs[name].shape
+
+
+def dot_flops(comp: Computation, instr: Instr) -> float:
+  """2 x prod(output) x prod(lhs contracting dims)."""
+  lhs = dims(_operand_shape(comp, instr, 0))
+  m = _LHS_CONTRACTING.search(instr.attrs)
+  contracting = [int(d) for d in m.group(1).split(",") if d.strip()] if m else []
+  return 2.0 * math.prod(dims(instr.shape)) * math.prod(lhs[d] for d in contracting)
+
+
+def _window(attrs: str, n: int) -> list[dict[str, Any]]:
+  """Per spatial dimension: size, stride, pad (low, high), lhs_dilate, rhs_dilate."""
+  win = [
+    {"size": 1, "stride": 1, "pad": (0, 0), "lhs_dilate": 1, "rhs_dilate": 1} for _ in range(n)
+  ]
+  m = _WINDOW.search(attrs)
+  if not m:
+    return win
+  for field in m.group(1).split():
+    key, _, value = field.partition("=")
+    if key not in ("size", "stride", "pad", "lhs_dilate", "rhs_dilate"):
+      continue  # rhs_reversal: mirrors the kernel, same taps
+    for d, v in enumerate(value.split("x")):
+      if key == "pad":
+        lo, hi = v.split("_")
+        win[d]["pad"] = (int(lo), int(hi))
+      else:
+        win[d][key] = int(v)
+  return win
+
+
+def _valid_taps(in_size: int, out_size: int, w: dict[str, Any]) -> int:
+  """Kernel taps inside the (dilated) input, summed over the output positions."""
+  k, s, lo, ld, rd = w["size"], w["stride"], w["pad"][0], w["lhs_dilate"], w["rhs_dilate"]
+  extent = (in_size - 1) * ld + 1
+  total = 0
+  for t in range(k):
+    off = t * rd - lo  # input position = o * s + off
+    if ld == 1:
+      o_min = max(0, math.ceil(-off / s))
+      o_max = min(out_size - 1, math.floor((extent - 1 - off) / s))
+      total += max(0, o_max - o_min + 1)
+    else:
+      total += sum(
+        1 for o in range(out_size) if 0 <= o * s + off < extent and (o * s + off) % ld == 0
+      )
+  return total
+
+
+def conv_flops(comp: Computation, instr: Instr) -> float:
+  """As XLA's HloCostAnalysis: 2 x multiply-adds over the taps inside the input."""
+  m = _DIM_LABELS.search(instr.attrs)
+  if not m:
+    raise ValueError(f"{comp.name}/{instr.name}: convolution without dim_labels")
+  lhs_l, rhs_l, out_l = m.groups()
+  lhs = dims(_operand_shape(comp, instr, 0))
+  rhs = dims(_operand_shape(comp, instr, 1))
+  out = dims(instr.shape)
+  spatial = sorted(c for c in rhs_l if c.isdigit())
+  win = _window(instr.attrs, len(spatial))
+  taps = math.prod(
+    _valid_taps(lhs[lhs_l.index(c)], out[out_l.index(c)], win[int(c)]) for c in spatial
+  )
+  batch_features = out[out_l.index("b")] * out[out_l.index("f")]
+  return 2.0 * batch_features * rhs[rhs_l.index("i")] * taps
+
+
+# ----------------------------------------------------------------------------
+# Trip counts
+# ----------------------------------------------------------------------------
+def _source(comp: Computation, name: str) -> Instr | None:
+  """The instruction `name` is, through copies and bitcasts."""
+  instr = comp.instrs.get(name)
+  while instr is not None and instr.opcode in _PASS_THROUGH and instr.operands:
+    instr = comp.instrs.get(instr.operands[0][0])
+  return instr
+
+
+def _constant(instr: Instr | None) -> int | None:
+  if instr is None or instr.opcode != "constant":
+    return None
+  try:
+    return int(float(instr.operand_text.strip()))
+  except ValueError:
+    return None
+
+
+def _tuple_index(instr: Instr | None, comp: Computation) -> int | None:
+  """k where `instr` is get-tuple-element(comp's parameter 0), index=k."""
+  if instr is None or instr.opcode != "get-tuple-element":
+    return None
+  src = _source(comp, instr.operands[0][0])
+  if src is None or src.opcode != "parameter":
+    return None
+  m = _INDEX.search(instr.attrs)
+  return int(m.group(1)) if m else None
+
+
+def trip_count(comps: dict[str, Computation], caller: Computation, loop: Instr) -> int | None:
+  """The trip count of a `while`, or None where it cannot be read."""
+  m = _KNOWN_TRIP.search(loop.attrs)
+  if m:
+    return int(m.group(1))
+  cond, body = comps[_COND.search(loop.attrs).group(1)], comps[_BODY.search(loop.attrs).group(1)]
+  root = cond.root
+  if root is None or root.opcode != "compare" or len(root.operands) != 2:
+    return None
+  direction = _DIRECTION.search(root.attrs).group(1)
+  a, b = (_source(cond, n) for n, _ in root.operands)
+  k, limit = _tuple_index(a, cond), _constant(b)
+  if k is None:  # constant on the left: flip the comparison
+    k, limit = _tuple_index(b, cond), _constant(a)
+    direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction, direction)
+  if k is None or limit is None:
+    return None
+  init = _source(caller, loop.operands[0][0])
+  if init is None or init.opcode != "tuple" or k >= len(init.operands):
+    return None
+  start = _constant(_source(caller, init.operands[k][0]))
+  if start is None or body.root is None or body.root.opcode != "tuple":
+    return None
+  update = _source(body, body.root.operands[k][0])
+  if update is None or update.opcode not in ("add", "subtract"):
+    return None
+  x, y = (_source(body, n) for n, _ in update.operands)
+  if _tuple_index(x, body) == k and _constant(y) is not None:
+    step = _constant(y)
+  elif update.opcode == "add" and _tuple_index(y, body) == k and _constant(x) is not None:
+    step = _constant(x)
+  else:
+    return None
+  step = -step if update.opcode == "subtract" else step
+  if step == 0:
+    return None
+  if direction in ("LT", "LE") and step > 0:
+    return max(0, -(-(limit - start + (direction == "LE")) // step))
+  if direction in ("GT", "GE") and step < 0:
+    return max(0, -(-(start - limit + (direction == "GE")) // -step))
+  if direction == "NE" and (limit - start) % step == 0 and (limit - start) // step >= 0:
+    return (limit - start) // step
+  return None
+
+
+# ----------------------------------------------------------------------------
+# The whole module
+# ----------------------------------------------------------------------------
+def _kernel_name(instr: Instr) -> str:
+  return re.sub(r"(\.\d+)+$", "", instr.name)
+
+
+def matmul_flops(hlo_text: str) -> dict[str, Any]:
+  """Matmul FLOPs one device executes in an optimised HLO module (`compiled.as_text()`).
+
+  Returns `dot_flops` (conditionals at their most expensive branch: an upper
+  bound), `dot_flops_min` (at their cheapest), `custom_calls` (Mosaic/Pallas/
+  Triton kernel launches, with multiplicity; conditionals at their branch with
+  most), `custom_calls_by_kernel`, `unknown_trip_count_loops` (while loops
+  counted once as their trip count was not readable), `loops` (each while: its
+  trip count, None when unknown) and `conditionals` (how many conditional
+  instructions the module has).
+  """
+  comps, entry = parse(hlo_text)
+  memo: dict[str, tuple[float, float, dict[str, int]]] = {}
+  loops: dict[str, int | None] = {}
+  conditionals = [0]
+
+  def add(into: dict[str, int], other: dict[str, int], times: int) -> None:
+    for k, v in other.items():
+      into[k] = into.get(k, 0) + v * times
+
+  def cost(name: str, stack: tuple[str, ...] = ()) -> tuple[float, float, dict[str, int]]:
+    if name in memo:
+      return memo[name]
+    if name in stack:
+      raise ValueError(f"recursive HLO call graph at {name!r}")
+    comp = comps[name]
+    hi = lo = 0.0
+    kernels: dict[str, int] = {}
+    for instr in comp.instrs.values():
+      op, attrs = instr.opcode, instr.attrs
+      if op == "dot":
+        f = dot_flops(comp, instr)
+        hi, lo = hi + f, lo + f
+      elif op == "convolution":
+        f = conv_flops(comp, instr)
+        hi, lo = hi + f, lo + f
+      elif op == "custom-call":
+        target = _TARGET.search(attrs)
+        if target and target.group(1) in KERNEL_TARGETS:
+          add(kernels, {_kernel_name(instr): 1}, 1)
+      if op == "while":
+        n = trip_count(comps, comp, instr)
+        loops[f"{name}/{instr.name}"] = n
+        for callee, times in (
+          (_BODY.search(attrs).group(1), n or 1),
+          (_COND.search(attrs).group(1), (n or 1) + 1),
+        ):
+          c_hi, c_lo, c_k = cost(callee, (*stack, name))
+          hi, lo = hi + times * c_hi, lo + times * c_lo
+          add(kernels, c_k, times)
+      elif op == "conditional":
+        conditionals[0] += 1
+        m = _BRANCHES.search(attrs)
+        if m:
+          branches = [b.strip().lstrip("%") for b in m.group(1).split(",") if b.strip()]
+        else:
+          branches = [_TRUE.search(attrs).group(1), _FALSE.search(attrs).group(1)]
+        costs = [cost(b, (*stack, name)) for b in branches]
+        hi += max(c[0] for c in costs)
+        lo += min(c[1] for c in costs)
+        most = max(costs, key=lambda c: sum(c[2].values()))[2]
+        add(kernels, most, 1)
+      elif op not in ("async-done", "async-update"):
+        callees = []
+        m = _CALLS.search(attrs) or (_TO_APPLY.search(attrs) if op == "call" else None)
+        if m:
+          callees.append(m.group(1))
+        m = _CALLED.search(attrs)
+        if m:
+          callees += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
+        for callee in dict.fromkeys(callees):
+          c_hi, c_lo, c_k = cost(callee, (*stack, name))
+          hi, lo = hi + c_hi, lo + c_lo
+          add(kernels, c_k, 1)
+    memo[name] = (hi, lo, kernels)
+    return memo[name]
+
+  hi, lo, kernels = cost(entry)
+  return {
+    "dot_flops": hi,
+    "dot_flops_min": lo,
+    "custom_calls": sum(kernels.values()),
+    "custom_calls_by_kernel": dict(sorted(kernels.items())),
+    "unknown_trip_count_loops": sum(n is None for n in loops.values()),
+    "loops": loops,
+    "conditionals": conditionals[0],
+  }
+
+
+def _main(argv: list[str]) -> None:
+  """python -m lctx.hlo_flops MODULE.txt: the counts of a dumped HLO module."""
+  with open(argv[1]) as f:
+    print(json.dumps(matmul_flops(f.read()), indent=2))
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+
+  _main(sys.argv)

@@ -1,0 +1,287 @@
+"""Matmul FLOPs from optimised HLO (lctx/hlo_flops.py), against programs whose count is known.
+
+Small programs are compiled by the real TPU compiler on libtpu's compile-only
+devices ('v5p:2x2x1'), so the HLO read is what the TPU compiler emits (dots
+rewritten as convolutions, loops without `known_trip_count`); each compiles in
+well under a second.
+"""
+
+import math
+import os
+import sys
+
+import pytest
+
+# Read when libtpu loads (the first topology call), so before any test runs.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+from lctx import compile as compile_lib  # noqa: E402
+from lctx import hlo_flops  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_compile import SMALL_SLICE, TINY, _experiment  # noqa: E402
+
+M, K, N = 64, 128, 256
+DOT = 2 * M * K * N  # one [M, K] @ [K, N]
+SQ = 2 * M * K * K  # one [M, K] @ [K, K]
+
+
+@pytest.fixture(autouse=True)
+def _tpu_matmul_precision():
+  """The TPU default matmul precision (conftest's 'highest' is for CPU numerics)."""
+  with jax.default_matmul_precision("default"):
+    yield
+
+
+@pytest.fixture(scope="module")
+def device():
+  return compile_lib.topology_devices("v5p:2x2x1")[0]
+
+
+def _count(device, f, *shapes):
+  sharding = SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes]
+  compiled = jax.jit(f).lower(*args).compile()
+  return hlo_flops.matmul_flops(compiled.as_text())
+
+
+def _scan_tanh(ws, x):
+  def body(c, w):
+    return jnp.tanh(c @ w), None
+
+  return lax.scan(body, x, ws)[0]
+
+
+def test_single_dot(device):
+  out = _count(device, lambda x, w: x @ w, (M, K), (K, N))
+  assert out["dot_flops"] == DOT == out["dot_flops_min"]
+  assert out["custom_calls"] == 0 and out["unknown_trip_count_loops"] == 0
+
+
+def test_batched_einsum(device):
+  """A batched contraction (the compiler may give the batch a spatial dimension)."""
+  out = _count(device, lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b), (3, M, K), (3, K, N))
+  assert out["dot_flops"] == 3 * DOT
+
+
+def test_scan_counts_its_body_trip_count_times(device):
+  out = _count(device, _scan_tanh, (7, K, K), (M, K))
+  assert out["dot_flops"] == 7 * SQ
+  assert list(out["loops"].values()) == [7] and out["unknown_trip_count_loops"] == 0
+
+
+def test_nested_scans_multiply(device):
+  def f(ws, x):
+    def outer(c, w_row):
+      return _scan_tanh(w_row, c), None
+
+    return lax.scan(outer, x, ws)[0]
+
+  out = _count(device, f, (3, 5, K, K), (M, K))
+  assert out["dot_flops"] == 15 * SQ
+  assert sorted(out["loops"].values()) == [3, 5]
+
+
+def test_fori_loop_with_offset_bounds(device):
+  """An induction variable that starts at 2 and stops before 9: 7 trips."""
+
+  def f(w, x):
+    return lax.fori_loop(2, 9, lambda i, c: jnp.tanh(c @ w) + i, x)
+
+  assert _count(device, f, (K, K), (M, K))["dot_flops"] == 7 * SQ
+
+
+def test_grad_of_scan_counts_forward_and_backward(device):
+  """Forward c @ w, backward dc = g @ w.T and dw = c.T @ g: 3 matmuls per step."""
+
+  def loss(ws, x):
+    return jnp.sum(_scan_tanh(ws, x))
+
+  out = _count(device, jax.grad(loss, argnums=(0, 1)), (7, K, K), (M, K))
+  assert out["dot_flops"] == 3 * 7 * SQ
+  assert out["unknown_trip_count_loops"] == 0
+
+
+def test_checkpointed_scan_body_shows_the_recompute(device):
+  """jax.checkpoint on the body recomputes c @ w in the backward: 4 matmuls per step."""
+
+  def loss(ws, x, remat):
+    def body(c, w):
+      return jnp.tanh(c @ w), None
+
+    body = jax.checkpoint(body) if remat else body
+    return jnp.sum(lax.scan(body, x, ws)[0])
+
+  shapes = (7, K, K), (M, K)
+  plain = _count(device, jax.grad(lambda w, x: loss(w, x, False), argnums=(0, 1)), *shapes)
+  remat = _count(device, jax.grad(lambda w, x: loss(w, x, True), argnums=(0, 1)), *shapes)
+  assert plain["dot_flops"] == 3 * 7 * SQ
+  assert remat["dot_flops"] == 4 * 7 * SQ
+
+
+def test_cost_analysis_counts_a_loop_body_once(device):
+  """Why this module exists: cost_analysis() flops do not grow with the trip count."""
+  sharding = SingleDeviceSharding(device)
+
+  def flops(steps):
+    args = [
+      jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in [(steps, K, K), (M, K)]
+    ]
+    compiled = jax.jit(_scan_tanh).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["flops"], hlo_flops.matmul_flops(compiled.as_text())["dot_flops"]
+
+  (cost_3, ours_3), (cost_9, ours_9) = flops(3), flops(9)
+  # Both near one body's matmul (plus elementwise work), not 3 or 9 of them.
+  assert SQ <= cost_3 < 2 * SQ and SQ <= cost_9 < 2 * SQ
+  assert ours_9 == 3 * ours_3 == 9 * SQ
+
+
+# A hand-written module: a dot with inline operand shapes, a head projection as
+# a convolution with a padded spatial dimension (as the TPU compiler writes
+# them), a loop with a known trip count holding a Mosaic call and a conditional
+# (one branch with a dot, one without), a loop bounded by a parameter, and a
+# `call` of a computation that ends as SparseCore ones do.
+HLO = """HloModule snippet, entry_computation_layout={(f32[8,16]{1,0})->f32[8,4]{1,0}}
+
+%branch_dot (p: f32[8,16]) -> f32[8,4] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,4]{1,0} constant({...})
+  ROOT %d = f32[8,4]{1,0} dot(f32[8,16]{1,0} %p, f32[16,4]{1,0} %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%branch_none (q: f32[8,16]) -> f32[8,4] {
+  %q = f32[8,16]{1,0} parameter(0)
+  ROOT %s = f32[8,4]{1,0} slice(%q), slice={[0:8], [0:4]}
+}
+
+%body (t: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %t = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8,16]{1,0} get-tuple-element(%t), index=1
+  %k = f32[8,16]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{}"
+}}
+  %pred = pred[] constant(true)
+  %c = f32[8,4]{1,0} conditional(%pred, %k, %k), branch_computations={%branch_dot, %branch_none}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[8,16]{1,0}) tuple(%next, %k)
+}
+
+%cond (u: (s32[], f32[8,16])) -> pred[] {
+  %u = (s32[], f32[8,16]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%u), index=0
+  %lim = s32[] constant(1000)
+  ROOT %lt = pred[] compare(%j, %lim), direction=LT
+}
+
+%body2 (t2: (s32[], f32[8,16], s32[])) -> (s32[], f32[8,16], s32[]) {
+  %t2 = (s32[], f32[8,16]{1,0}, s32[]) parameter(0)
+  %i2 = s32[] get-tuple-element(%t2), index=0
+  %x2 = f32[8,16]{1,0} get-tuple-element(%t2), index=1
+  %n2 = s32[] get-tuple-element(%t2), index=2
+  %w2 = f32[16,16]{1,0} constant({...})
+  %y2 = f32[8,16]{1,0} dot(%x2, %w2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %one2 = s32[] constant(1)
+  %next2 = s32[] add(%i2, %one2)
+  ROOT %r2 = (s32[], f32[8,16]{1,0}, s32[]) tuple(%next2, %y2, %n2)
+}
+
+%cond2 (u2: (s32[], f32[8,16], s32[])) -> pred[] {
+  %u2 = (s32[], f32[8,16]{1,0}, s32[]) parameter(0)
+  %j2 = s32[] get-tuple-element(%u2), index=0
+  %m2 = s32[] get-tuple-element(%u2), index=2
+  ROOT %lt2 = pred[] compare(%j2, %m2), direction=LT
+}
+
+%proj (a: bf16[8,16,1], b: bf16[16,4,2]) -> bf16[8,4,2] {
+  %a = bf16[8,16,1]{0,2,1} parameter(0)
+  %b = bf16[16,4,2]{2,1,0} parameter(1)
+  ROOT %conv = bf16[8,4,2]{0,2,1} convolution(%a, %b), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_i0o->b0f
+}
+
+%sc (s: f32[8,16]) -> f32[8,8] {
+  %s = f32[8,16]{1,0} parameter(0)
+  %ws = f32[16,8]{1,0} constant({...})
+  ROOT %ds = f32[8,8]{1,0} dot(%s, %ws), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}, execution_thread="sparsecore"
+
+ENTRY %main (x: f32[8,16], n: s32[]) -> f32[8,4] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %n = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %x)
+  %loop = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %init2 = (s32[], f32[8,16]{1,0}, s32[]) tuple(%zero, %x, %n)
+  %loop2 = (s32[], f32[8,16]{1,0}, s32[]) while(%init2), condition=%cond2, body=%body2
+  %a = bf16[8,16,1]{0,2,1} constant({...})
+  %b = bf16[16,4,2]{2,1,0} constant({...})
+  %p = bf16[8,4,2]{0,2,1} fusion(%a, %b), kind=kOutput, calls=%proj
+  %called = f32[8,8]{1,0} call(%x), to_apply=%sc
+  %y = f32[8,16]{1,0} get-tuple-element(%loop), index=1
+  ROOT %out = f32[8,4]{1,0} slice(%y), slice={[0:8], [0:4]}
+}
+"""
+
+
+def test_hand_written_module():
+  out = hlo_flops.matmul_flops(HLO)
+  branch_dot, body2_dot, proj = 2 * 8 * 4 * 16, 2 * 8 * 16 * 16, 2 * 8 * 16 * (4 * 2)
+  called = 2 * 8 * 8 * 16
+  # known_trip_count (5) wins over the constant bound (1000) in the condition;
+  # the parameter-bounded loop counts once and is reported.
+  assert out["loops"] == {"main/loop": 5, "main/loop2": None}
+  assert out["unknown_trip_count_loops"] == 1
+  assert out["dot_flops"] == 5 * branch_dot + body2_dot + proj + called
+  assert out["dot_flops_min"] == body2_dot + proj + called
+  assert out["custom_calls"] == 5 and out["custom_calls_by_kernel"] == {"k": 5}
+  assert out["conditionals"] == 1
+
+
+def test_bad_input_is_one_clear_error():
+  with pytest.raises(ValueError, match="no ENTRY computation"):
+    hlo_flops.matmul_flops("not an HLO module")
+
+
+def test_tiny_train_step_does_at_least_six_flops_per_parameter_and_token(tmp_path):
+  """`--mode=compile` of gin/long_v5p.gin (tiny model, v5p:2x2x1) records matmul FLOPs.
+
+  A train step multiplies each matmul weight with each token at least 3 times
+  (forward, input gradient, weight gradient): >= 6 x params x tokens / devices
+  per device (attention's own matmuls run in splash, which HLO cannot see, and
+  the embedding is a gather). This file nests remat: the layer group of 2 is
+  recomputed and each layer inside it is checkpointed again, so the forward
+  runs at most 3 times: <= 10 x params x tokens / devices.
+  """
+  path = "gin/long_v5p.gin"
+  topology, mesh_params = SMALL_SLICE[path]
+  exp = _experiment(path, [*TINY, *mesh_params])
+  with jax.default_matmul_precision("default"):
+    record = compile_lib.compile_step(exp, topology=topology)
+  from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
+
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices(topology))
+  params = Trainer(exp.model, exp.train, mesh).abstract_state["params"]
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  weights = sum(
+    math.prod(leaf.shape)
+    for path_, leaf in flat
+    if not any(getattr(k, "key", None) in ("embedding", "scale") for k in path_)
+  )
+  per_device = weights * record["tokens_per_step"] / record["devices"]
+  ratio = record["matmul_flops_per_device"] / per_device
+  assert 6 <= ratio <= 10, ratio
+  assert record["unknown_trip_count_loops"] == 0
+  assert record["kernel_custom_calls"] > 0  # splash
+  # cost_analysis() counts loop bodies once: below the real figure.
+  assert record["flops_per_device"] < record["matmul_flops_per_device"]
+  assert "matmul FLOPs per device" in compile_lib.summary(record)

@@ -227,7 +227,7 @@ def test_explicit_splash_refuses_and_auto_falls_back_with_one_log(caplog):
   assert flash.choose_backend(q, k, v, platform="cpu", layout=layout) != "splash"
 
 
-@pytest.mark.parametrize("heads", ["gqa", "mqa"])
+@pytest.mark.parametrize("heads", ["mqa", pytest.param("gqa", marks=pytest.mark.slow)])
 def test_local_plugin_on_splash_matches_reference(heads):
   """Strategy 'none' (lctx.parallel.local): the plug-in declares natural order, so
   splash takes the pipeline's explicit positions; it runs in a shard_map over the

@@ -10,6 +10,11 @@ breakdown and the choice, writes `<workdir>/plan.json`, and prints the
 `--mode=compile` command (with `--gin_param` overrides) that asks the TPU
 compiler about the winner; `plan_then_compile=True` runs that compile too.
 
+The attention kernel counted is the one the step will run:
+TrainConfig.attention_backend, with 'auto' resolved by the target's platform as
+the trainer resolves it (splash on TPU slices, blockwise elsewhere);
+plan.json's setups name it (`attention_kernel`).
+
 Every figure here is a planner estimate; `--mode=compile` is the compiler's word.
 """
 
@@ -107,8 +112,12 @@ def _group_size(model, remat_policy: str) -> int:
   return 1 if remat_policy == "none" else getattr(model, "remat_group_size", 1)
 
 
-def make_setup(exp, *, strategy: str, mesh: dict[str, int], remat_policy: str) -> mm.Setup:
-  """A memory-model Setup of the experiment with these choices."""
+def make_setup(
+  exp, *, strategy: str, mesh: dict[str, int], remat_policy: str, platform: str = "tpu"
+) -> mm.Setup:
+  """A memory-model Setup of the experiment with these choices on `platform`'s
+  devices ('tpu', 'gpu'; the attention kernel follows TrainConfig.attention_backend
+  as the trainer resolves it: 'auto' is splash on TPU, blockwise elsewhere)."""
   return mm.Setup(
     strategy=strategy,
     mesh=dict(mesh),
@@ -125,6 +134,7 @@ def make_setup(exp, *, strategy: str, mesh: dict[str, int], remat_policy: str) -
     mlp_chunk_size=exp.model.mlp_chunk_size,
     block_q=exp.train.attention_block_q,
     block_kv=exp.train.attention_block_kv,
+    kernel=mm.resolve_kernel(exp.train.attention_backend, platform),
   )
 
 
@@ -142,6 +152,7 @@ def setup_record(setup: mm.Setup) -> dict[str, Any]:
     "seq_len": setup.seq_len,
     "loss_chunk_size": setup.loss_chunk_size,
     "mlp_chunk_size": setup.mlp_chunk_size,
+    "attention_kernel": setup.kernel,
   }
 
 
@@ -227,7 +238,9 @@ def candidates(exp, target: hw.Target):
         for u in ulysses:
           mesh = {"data": data, "fsdp": fsdp, "tensor": tensor}
           mesh.update(context=degree // u, context_ulysses=u)
-          yield make_setup(exp, strategy=strategy, mesh=mesh, remat_policy=remat)
+          yield make_setup(
+            exp, strategy=strategy, mesh=mesh, remat_policy=remat, platform=_platform(target)
+          )
 
 
 def configured_setup(exp, dims: mm.ModelDims, target: hw.Target) -> tuple[mm.Setup | None, str]:
@@ -240,14 +253,27 @@ def configured_setup(exp, dims: mm.ModelDims, target: hw.Target) -> tuple[mm.Set
   degree = mesh["context"] * mesh["context_ulysses"]
   if strategy == "auto":
     strategy = "none" if degree == 1 else _auto(exp, dims, mesh, target)
-  return make_setup(exp, strategy=strategy, mesh=mesh, remat_policy=exp.model.remat_policy), ""
+  setup = make_setup(
+    exp,
+    strategy=strategy,
+    mesh=mesh,
+    remat_policy=exp.model.remat_policy,
+    platform=_platform(target),
+  )
+  return setup, ""
+
+
+def _platform(target: hw.Target) -> str:
+  return target.accelerator.platform
 
 
 def _auto(exp, dims, mesh, target) -> str:
   """What strategy 'auto' resolves to: the first valid one in auto's order that fits."""
   valid = []
   for s in STRATEGY_ORDER:
-    setup = make_setup(exp, strategy=s, mesh=mesh, remat_policy=exp.model.remat_policy)
+    setup = make_setup(
+      exp, strategy=s, mesh=mesh, remat_policy=exp.model.remat_policy, platform=_platform(target)
+    )
     if check_valid(dims, setup):
       continue
     if mm.estimate(dims, setup).total <= target.accelerator.hbm_bytes_per_device:
@@ -283,7 +309,7 @@ def plan(exp, *, hardware: str) -> dict[str, Any]:
       break
   topology = compile_topology(target, hardware)
   if smallest is not None:
-    overrides = gin_overrides(_setup_from_record(exp, smallest["setup"]))
+    overrides = gin_overrides(_setup_from_record(exp, smallest["setup"], _platform(target)))
     smallest["gin_params"] = overrides
     smallest["compile_topology"] = topology
   return {
@@ -308,9 +334,13 @@ def plan(exp, *, hardware: str) -> dict[str, Any]:
   }
 
 
-def _setup_from_record(exp, rec: dict[str, Any]) -> mm.Setup:
+def _setup_from_record(exp, rec: dict[str, Any], platform: str) -> mm.Setup:
   return make_setup(
-    exp, strategy=rec["strategy"], mesh=rec["mesh"], remat_policy=rec["remat_policy"]
+    exp,
+    strategy=rec["strategy"],
+    mesh=rec["mesh"],
+    remat_policy=rec["remat_policy"],
+    platform=platform,
   )
 
 
@@ -352,7 +382,8 @@ def summary(record: dict[str, Any], gin_files: list[str] | None = None) -> str:
     mesh = ", ".join(f"{a}={v}" for a, v in s["mesh"].items() if v > 1) or "1 device"
     verdict = "fits" if r["fits"] else "does NOT fit"
     lines.append(
-      f"{name}: {s['strategy']} on {mesh}, remat {s['remat_policy']}: "
+      f"{name}: {s['strategy']} on {mesh}, remat {s['remat_policy']}, "
+      f"{s.get('attention_kernel', 'blockwise')} attention: "
       f"{_gib(r['per_device_total_bytes'])} per device ({verdict}), host "
       f"{_gib(r['host_bytes_per_device'])} per device / {_gib(r['host_bytes_per_vm'])} per VM"
       + (f"; {r['error']}" if r.get("error") else "")

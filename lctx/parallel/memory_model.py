@@ -13,7 +13,8 @@ What the step holds, per device (lctx/trainer.py, lctx/models/transformer.py):
     context_ulysses, heads / mlp / vocab over tensor), plus the int32 batch;
   - gradients: the same sharding as the parameters;
   - gathered weights: FSDP all-gathers one layer's weights at a time and
-    reduce-scatters their gradients;
+    reduce-scatters their gradients; the embedding tables are gathered whole
+    (f32 [vocab, D]: the unembedding and the embeddings' gradients);
   - saved activations: per layer, the tensors the remat policy keeps on device
     (`REMAT_POLICIES`, or ModelConfig's per-tag `remat_choices`; offloaded ones
     count as host bytes, as do offloaded parameters / optimizer state);
@@ -23,18 +24,24 @@ What the step holds, per device (lctx/trainer.py, lctx/models/transformer.py):
     (and part of their f32 gradient); ulysses the all-to-all'd q/k/v/out of a
     head group over the whole sequence; ring / usp the visiting K/V block and
     the next, travelling f32 dK/dV, f32 output and dQ accumulators (usp also
-    both layouts around its all-to-alls);
-  - the loss: one chunk of f32 logits and their gradient at a time; the peak
-    is the larger of this phase and the layer's backward.
+    both layouts around its all-to-alls). By kernel (Setup.kernel, resolved
+    from TrainConfig.attention_backend like the trainer: 'auto' is splash on
+    TPU): blockwise adds its f32 [bq, bk] score tiles per kv-head group;
+    splash keeps its tiles in VMEM, and holds lane-wide f32 statistics
+    ([heads, tokens, 128]) and f32 output / dq accumulators in HBM;
+  - the loss: one chunk of f32 logits and their gradient at a time; added to
+    the layer's backward, not overlapped with it (memory_analysis' total sums
+    the program's buffer slots, and the compiles keep the logits' slots apart).
 
-Shapes fix the bytes per element; how many buffers XLA keeps live at the
-peak is a per-element coefficient (COEFFICIENTS), fitted to TPU compiles
-(`memory_analysis()` of compile-only v5p / TPU7x devices, libtpu 0.0.42.1,
-2026-12-01, the blockwise attention kernel) and checked against the compiler
-by tests/test_planner.py and scripts/bench_memory.py. The ring / usp buffers
-count head dims lane-padded to 128 (TPU tiling; that is what made one
-coefficient fit head dims 32, 64 and 128). GPU targets use the same
-coefficients: an approximation.
+Shapes fix the bytes per element; how many buffers XLA keeps live is a
+per-element coefficient (COEFFICIENTS), fitted by scripts/fit_memory_model.py
+to TPU compiles (`memory_analysis()` totals of compile-only v5p / TPU7x
+devices, libtpu 0.0.42.1, 2026-12-01, both kernels, the ring after its
+partial-evaluation fix) and checked against the compiler by
+tests/test_planner.py (small cases in the default run, a held-out set under
+`slow`) and scripts/bench_memory.py. Attention's q-side buffers count head
+dims lane-padded to 128 (TPU tiling). GPU targets use the same coefficients
+(their kernels counted as blockwise): an approximation.
 
 Shapes legend: B rows per device, T tokens per device (sequence shard), D
 d_model, F MLP hidden, N / K q / kv heads per tensor shard, H / V qk / value
@@ -49,6 +56,7 @@ from collections.abc import Mapping
 from typing import Any
 
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp", "none")
+KERNELS = ("blockwise", "splash")
 F32 = 4
 INT32 = 4
 BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions (int32), loss_mask (f32)
@@ -103,6 +111,9 @@ class Setup:
     dtype_bytes, param_bytes: activation (compute) and parameter bytes.
     loss_chunk_size, mlp_chunk_size: tokens per loss / MLP chunk (None: whole).
     block_q, block_kv: attention kernel blocks (the per-block f32 scratch).
+    kernel: the attention kernel the step runs, 'blockwise' (pure JAX: f32
+      score tiles in HBM) or 'splash' (TPU Pallas: tiles in VMEM; lane-wide
+      f32 softmax statistics in HBM); see KERNELS and `resolve_kernel`.
   """
 
   strategy: str
@@ -120,6 +131,7 @@ class Setup:
   mlp_chunk_size: int | None = None
   block_q: int = 512
   block_kv: int = 512
+  kernel: str = "blockwise"
 
   def axis(self, name: str) -> int:
     return int(self.mesh.get(name, 1))
@@ -188,6 +200,16 @@ REMAT_POLICIES: dict[str, dict[str, str]] = {
 }
 
 
+def resolve_kernel(backend: str, platform: str) -> str:
+  """The kernel (KERNELS) the memory model counts for TrainConfig.attention_backend
+  on a platform ('tpu', 'gpu', 'cpu'), as lctx/kernels/flash.py resolves 'auto':
+  splash on TPU, blockwise elsewhere. The kernels without a model of their own
+  (cudnn, xla, cpu, reference) are counted as blockwise: an approximation."""
+  if backend == "splash" or (backend == "auto" and platform == "tpu"):
+    return "splash"
+  return "blockwise"
+
+
 def lanes(width: int) -> int:
   """Width of a minor dimension in TPU memory: tiles are 128 lanes wide, so a
   head dim of 32 takes the room of 128 (XLA's layout for [..., H] arrays)."""
@@ -237,10 +259,15 @@ def remat_table(setup: Setup) -> dict[str, str]:
   return REMAT_POLICIES[setup.remat_policy]
 
 
-def remat_saved_bytes_per_token(dims: ModelDims, setup: Setup) -> tuple[float, float]:
+def remat_saved_bytes_per_token(
+  dims: ModelDims, setup: Setup, device_scale: float = 1.0
+) -> tuple[float, float]:
   """(device, host) bytes one layer keeps per token for the backward pass.
 
-  With remat groups of k layers only one layer input in k is saved."""
+  With remat groups of k layers only one layer input in k is saved. The
+  device bytes of the tensors other than the layer input are multiplied by
+  `device_scale` (COEFFICIENTS['saved_tensor_scale']: XLA keeps some of them
+  twice, or in f32)."""
   device = host = 0.0
   k = max(1, setup.remat_group_size)
   for name, where in remat_table(setup).items():
@@ -248,7 +275,7 @@ def remat_saved_bytes_per_token(dims: ModelDims, setup: Setup) -> tuple[float, f
     if where == "offload":
       host += b
     elif where == "device":
-      device += b
+      device += b * (1.0 if name == "layer_input" else device_scale)
     else:
       raise ValueError(f"remat policy {setup.remat_policy!r}: {name} -> {where!r}")
   return device, host
@@ -261,11 +288,15 @@ def remat_saved_bytes_per_token(dims: ModelDims, setup: Setup) -> tuple[float, f
 class Breakdown:
   """Per-device bytes of one train step; host bytes per device.
 
-  The step's peak is the state, gradients and saved activations plus the larger
-  of two phases: a layer's backward (gathered weights, the layer's residual
-  stream and cotangents, its MLP chunk's and its attention's buffers) or the
-  loss (one chunk of logits). `total` counts the peak; the smaller phase is
-  listed but not added (`peak_phase` names the larger).
+  `total` is what the compiler's memory_analysis() totals: the state,
+  gradients, saved activations and whole f32 embedding tables (`embeddings`:
+  FSDP-gathered unembedding, embedding gradients before their reduce-scatter),
+  a layer's backward (gathered weights, the layer's residual stream and
+  cotangents, its MLP chunk's and its attention's buffers) and the loss (one
+  chunk of logits). The two phases are added, not maxed: memory_analysis sums
+  the temporary slots of the whole program, and the TPU compiles
+  (scripts/fit_memory_model.py) keep the logits' slots apart from the layer's.
+  `peak_phase` names the larger phase.
   """
 
   parameters: int
@@ -279,8 +310,16 @@ class Breakdown:
   attention_buffers: int
   loss: int
   host: int
+  embeddings: int = 0
 
-  STATE_FIELDS = ("parameters", "optimizer_state", "batch", "gradients", "saved_activations")
+  STATE_FIELDS = (
+    "parameters",
+    "optimizer_state",
+    "batch",
+    "gradients",
+    "saved_activations",
+    "embeddings",
+  )
   LAYER_FIELDS = ("gathered_weights", "layer_backward", "mlp_backward", "attention_buffers")
 
   @property
@@ -295,7 +334,7 @@ class Breakdown:
   @property
   def total(self) -> int:
     state = sum(getattr(self, f) for f in self.STATE_FIELDS)
-    return state + max(self.layer_phase, self.loss)
+    return state + self.layer_phase + self.loss
 
   @property
   def argument_bytes(self) -> int:
@@ -315,40 +354,67 @@ class Breakdown:
 # The model
 # ----------------------------------------------------------------------------
 # What the code fixes (buffer shapes) is counted above and below; what XLA's
-# schedule decides (how many such buffers are live at the peak) is a
-# coefficient, fitted by least squares (log error) to 11 TPU compiles of small
-# Llama-shaped models (d_model 256-512, 2-4 layers, 16K-32K tokens on
-# v5p:2x2x1 / tpu7x:2x2x1, ring / all_gather / ulysses / usp, remat full /
-# none / offload)
-# and 6 Llama-3.1-8B usp compiles on v5p:4x4x4 / tpu7x:4x4x4 (REFERENCE.md
-# section 8), libtpu 0.0.42.1, 2026-12-01; the fit is within -17%..+11% of them.
-# Held-out checks: tests/test_planner.py, scripts/bench_memory.py.
+# schedule decides (how many such buffers it keeps) is a coefficient, fitted by
+# scripts/fit_memory_model.py (non-negative least squares on the relative
+# error, pulled gently towards the earlier blockwise fit) to 40 TPU compiles of
+# small Llama-shaped models (d_model 256-1024, 2 layers, 16K-32K tokens, vocab
+# 4K-16K on v5p:2x2x1 / tpu7x:2x2x1; ring / all_gather / ulysses / usp; remat
+# full / none / dots; both kernels) and the four flagship gin files' measured
+# Llama-3.1-8B compiles (splash, v5p:4x4x4 / tpu7x:4x4x4), libtpu 0.0.42.1,
+# 2026-12-01, after the ring's partial-evaluation fix. The fit is within
+# -19.4%..+18.2% of the small compiles (mean |error| 8%) and -1.6%..+2.9% of
+# the full-size ring, ulysses and all_gather ones. Coefficients the fit puts
+# near 0 (gathered layer copies, whole embedding tables, blockwise usp's
+# all-to-all layouts) are buffers that share slots with larger ones.
+# Not modelled: usp at full size (gin/usp_ironwood.gin: planner 21.01 vs
+# compiled 28.84 GiB, -27%), offloading remat policies (reported, not fitted:
+# the small splash all_gather case with offloaded layer inputs compiles 33%
+# above the model), and the growth from 16K to 32K-64K tokens at d_model 1024
+# (tests/test_planner.py's slow held-out set: see its marks).
 COEFFICIENTS = {
+  # Saved tensors other than the layer input (remat 'none', 'dots', presets):
+  # device bytes per byte of the tagged tensors.
+  "saved_tensor_scale": 1.65,
   # FSDP: copies of one layer's f32 weights live (gathered, bf16 cast, grads).
-  "gathered_layer_copies": 3.0,
+  "gathered_layer_copies": 0.07,
   # Bytes per token per d_model element the layer in backward holds (residual
   # stream and its cotangent, norm outputs, projections' inputs and outputs).
-  "layer_bytes_per_d": 11.3,
+  "layer_bytes_per_d": 14.35,
   # Bytes per MLP-chunk token per hidden (F) element: gate, up, their product
   # and cotangents.
-  "mlp_bytes_per_f": 4.6,
+  "mlp_bytes_per_f": 7.18,
   # ring / usp, per local token and lane-padded element: per q/out element
   # N(H+V) (the f32 output and dQ accumulators: 8 bytes) and per k/v element
   # K(H+V) (the visiting block and the next, dK/dV travelling in f32).
-  "ring_bytes_per_q_elem": 8.1,
-  "ring_bytes_per_kv_elem": 8.9,
+  "ring_bytes_per_q_elem": 4.81,
+  "ring_bytes_per_kv_elem": 6.92,
   # usp on top of its ring, per (q + kv) element: both layouts of q/k/v/out
-  # around the all-to-alls.
-  "usp_a2a_bytes_per_elem": 9.1,
+  # around the all-to-alls (the blockwise fit puts them at 0: they share
+  # slots with the ring's buffers).
+  "usp_a2a_bytes_per_elem": 0.00,
   # ulysses, per local token per (q + kv) element: the all-to-all'd copies.
-  "ulysses_bytes_per_elem": 4.2,
+  "ulysses_bytes_per_elem": 3.32,
   # all_gather: per whole-sequence token per k/v element (gathered bf16 K/V,
   # and part of their f32 gradient: XLA does not hold all of it at once).
-  "all_gather_bytes_per_kv_elem": 4.6,
+  "all_gather_bytes_per_kv_elem": 0.67,
   # f32 [G*bq, bk] score tiles live per kv-head group (the kernel's blocks).
-  "kernel_block_copies": 1.6,
+  "kernel_block_copies": 2.17,
   # Loss: bytes per logit of one chunk (f32 partial sums over D, bf16 grad).
-  "loss_bytes_per_logit": 6.0,
+  "loss_bytes_per_logit": 4.76,
+  # Whole f32 [vocab, D] tables live through the step (FSDP-gathered
+  # unembedding, embedding gradients before their reduce-scatter).
+  "embedding_copies": 0.00,
+  # The splash kernel (TPU Pallas; its [bq, bk] tiles stay in VMEM). Per
+  # element as for blockwise; q-side elements are lane-padded (its softmax
+  # statistics are f32 [heads, tokens, 128] arrays).
+  "splash_ring_bytes_per_q_elem": 6.53,
+  "splash_ring_bytes_per_kv_elem": 6.06,
+  "splash_usp_a2a_bytes_per_elem": 1.28,
+  "splash_ulysses_bytes_per_elem": 2.34,
+  "splash_all_gather_bytes_per_kv_elem": 9.78,
+  # all_gather / ulysses: per local query token per lane-padded q element
+  # (f32 dq and output, the statistics).
+  "splash_q_bytes_per_elem": 2.19,
 }
 
 
@@ -357,6 +423,8 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   co = COEFFICIENTS if coefficients is None else {**COEFFICIENTS, **coefficients}
   if setup.strategy not in STRATEGIES:
     raise ValueError(f"unknown strategy {setup.strategy!r}; known: {', '.join(STRATEGIES)}")
+  if setup.kernel not in KERNELS:
+    raise ValueError(f"unknown attention kernel {setup.kernel!r}; known: {', '.join(KERNELS)}")
   a, p = setup.dtype_bytes, setup.param_bytes
   tp = setup.axis("tensor")
   b = max(1, setup.batch_size // setup.batch_ways)  # rows per device
@@ -367,7 +435,7 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   params = math.ceil(dims.num_params / (setup.param_shards * tp))
 
   # Saved activations across layers (device) and offloaded ones (host).
-  dev_tok, host_tok = remat_saved_bytes_per_token(dims, setup)
+  dev_tok, host_tok = remat_saved_bytes_per_token(dims, setup, co["saved_tensor_scale"])
 
   # A remat group recomputes k layers from one input: the other k - 1 layers'
   # tensors are live while the group runs backward (not fitted to compiles).
@@ -376,10 +444,11 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
     per_layer = sum(tensor_bytes_per_token(n, dims, setup) for n in LAYER_TENSORS)
     group_extra = (setup.remat_group_size - 1) * tokens * per_layer
 
-  # FSDP gathers one layer's weights at a time.
-  gathered = 0.0
+  # FSDP gathers one layer's weights at a time, and the embedding tables whole.
+  gathered = embeddings = 0.0
   if setup.param_shards > 1:
     gathered = co["gathered_layer_copies"] * dims.layer_params / tp * p
+    embeddings = co["embedding_copies"] * dims.vocab_size / tp * dims.d_model * F32
 
   # The layer in its backward pass: the residual stream and its cotangent for
   # every token; then either the MLP (over one chunk) or attention.
@@ -413,6 +482,7 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
     attention_buffers=int(attention),
     loss=int(loss),
     host=int(dims.num_layers * tokens * host_tok + state_host),
+    embeddings=int(embeddings),
   )
 
 
@@ -429,6 +499,8 @@ def attention_buffer_bytes(
   hv_lanes = lanes(dims.head_dim) + lanes(dims.v_head_dim)  # [..., H] arrays, lane-padded
   seq = setup.seq_len
   t = seq / (c * u)  # local tokens
+  if setup.kernel == "splash":
+    return rows * _splash_bytes(dims, setup, co, n, k, t) * setup.dtype_bytes / 2
   if setup.strategy in ("none", "all_gather"):
     # The whole sequence's K/V, and the local queries' q/out/dout/dq.
     per = seq * k * hv * co["all_gather_bytes_per_kv_elem"]
@@ -452,3 +524,23 @@ def attention_buffer_bytes(
 
 def fits(breakdown: Breakdown, hbm_bytes_per_device: int) -> bool:
   return breakdown.total <= hbm_bytes_per_device
+
+
+def _splash_bytes(dims: ModelDims, setup: Setup, co, n: float, k: float, t: float) -> float:
+  """Attention's per-row bytes with the splash kernel (no HBM score tiles)."""
+  hv = dims.head_dim + dims.v_head_dim
+  hv_lanes = lanes(dims.head_dim) + lanes(dims.v_head_dim)
+  if setup.strategy in ("none", "all_gather"):
+    per = setup.seq_len * k * hv * co["splash_all_gather_bytes_per_kv_elem"]
+    return per + t * n * hv_lanes * co["splash_q_bytes_per_elem"]
+  if setup.strategy == "ulysses":
+    per = t * (n + k) * hv * co["splash_ulysses_bytes_per_elem"]
+    return per + t * n * hv_lanes * co["splash_q_bytes_per_elem"]
+  per = (
+    t
+    * hv_lanes
+    * (n * co["splash_ring_bytes_per_q_elem"] + k * co["splash_ring_bytes_per_kv_elem"])
+  )
+  if setup.strategy == "usp":
+    per += t * (n + k) * hv * co["splash_usp_a2a_bytes_per_elem"]
+  return per

@@ -1,0 +1,492 @@
+r"""Fit the memory planner's coefficients (lctx/parallel/memory_model.py) to TPU compiles.
+
+The planner counts buffer shapes; how many of each XLA keeps live is a
+per-element coefficient (memory_model.COEFFICIENTS). This script compiles small
+Llama-shaped models (FIT_CASES: d_model 256-768, 2 layers, 16K-32K tokens) on
+compile-only `v5p:2x2x1` / `tpu7x:2x2x1` devices with `lctx.compile.compile_step`,
+for both attention kernels (blockwise and splash) and all four strategies,
+caches each compiled record in bench_results/fit_memory_model.json (keyed by
+the case; a case compiled from other sources is reported as stale and
+recompiled with --refresh), adds the full-size Llama-3.1-8B figures measured
+with `--mode=compile` (FULL_SIZE: the flagship gin files, as their headers
+state), and fits the coefficients by non-negative least squares on the
+relative error (est / compiled - 1; the peak phase, layer backward or loss, is
+re-decided each round). It prints each case's compiled and fitted figures and
+the coefficient table to paste into memory_model.COEFFICIENTS.
+
+  flock /tmp/lctx-heavy.lock timeout 1200 python scripts/fit_memory_model.py
+  python scripts/fit_memory_model.py --no_compile   # fit to the cache only
+  python scripts/fit_memory_model.py --no_compile --write  # and put it in memory_model.py
+  python scripts/fit_memory_model.py --only=splash  # cases whose name has 'splash'
+
+Every small compile takes 10-60 s on 2 CPU cores and under 2 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+import numpy as np  # noqa: E402
+
+from lctx import data as data_lib  # noqa: E402
+from lctx import hardware, models, planner  # noqa: E402
+from lctx import train as train_lib  # noqa: E402
+from lctx.parallel import memory_model as mm  # noqa: E402
+from lctx.parallel.mesh import MeshConfig  # noqa: E402
+from lctx.trainer import TrainConfig  # noqa: E402
+
+GiB = 2**30
+MiB = 2**20
+CACHE = os.path.join(ROOT, "bench_results", "fit_memory_model.json")
+# The code that decides the compiled step (memory_model / planner excluded:
+# they do not change what compiles).
+CODE_PATHS = ("lctx/kernels", "lctx/parallel", "lctx/models", "lctx/trainer.py", "lctx/compile.py")
+CODE_EXCLUDE = ("lctx/parallel/memory_model.py", "lctx/parallel/auto.py")
+
+SMALL = dict(
+  vocab_size=4096,
+  d_model=256,
+  num_layers=2,
+  num_heads=8,
+  num_kv_heads=4,
+  head_dim=32,
+  mlp_dim=768,
+  dtype="bfloat16",
+  param_dtype="float32",
+)
+# d_model 512 / 768 with a larger vocabulary: the embedding and loss terms.
+WIDE = dict(SMALL, d_model=512, num_heads=8, num_kv_heads=4, head_dim=64, mlp_dim=1536)
+WIDER = dict(SMALL, d_model=768, num_heads=12, num_kv_heads=4, head_dim=64, mlp_dim=2048)
+# d_model 1024 at 16K tokens (the slow held-out set of tests/test_planner.py
+# is d_model 1024 at 32K-64K on other meshes).
+LARGE = dict(
+  SMALL, vocab_size=16384, d_model=1024, num_heads=16, num_kv_heads=8, head_dim=64, mlp_dim=2816
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One compile of the fit set."""
+
+  topology: str
+  strategy: str
+  mesh: tuple[tuple[str, int], ...]
+  seq_len: int
+  remat: str = "full"
+  model: tuple[tuple[str, object], ...] = tuple(SMALL.items())
+  kernel: str = "blockwise"
+  batch_size: int = 1
+  loss_chunk: int | None = 1024
+  block: int = 512
+
+  @property
+  def name(self) -> str:
+    m = dict(self.model)
+    mesh = "x".join(f"{a[:3]}{s}" for a, s in self.mesh)
+    return (
+      f"{self.kernel}/{self.topology}/{self.strategy}/{mesh}/{self.seq_len // 1024}K/"
+      f"{self.remat}/d{m['d_model']}v{m['vocab_size']}/b{self.batch_size}"
+    )
+
+  def key(self) -> str:
+    return hashlib.sha256(
+      json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+    ).hexdigest()[:16]
+
+
+def _case(topology, strategy, mesh, seq_len, **kw) -> Case:
+  if "model" in kw:
+    kw["model"] = tuple(kw["model"].items())
+  # libtpu 0.0.42.1 rejects the chunked loss's mask reshape on tpu7x:2x2x1
+  # (tests/test_planner.py): one loss chunk there.
+  kw.setdefault("loss_chunk", None if topology.startswith("tpu7x") else 1024)
+  return Case(topology, strategy, tuple(mesh.items()), seq_len, **kw)
+
+
+def _cases_for(kernel: str) -> list[Case]:
+  k = dict(kernel=kernel)
+  return [
+    _case("v5p:2x2x1", "ring", dict(context=4), 16384, **k),
+    _case("v5p:2x2x1", "ring", dict(context=4), 32768, model=WIDE, **k),
+    _case("v5p:2x2x1", "ring", dict(context=4), 16384, remat="none", **k),
+    _case("v5p:2x2x1", "ring", dict(fsdp=2, context=2), 16384, batch_size=2, **k),
+    _case("v5p:2x2x1", "all_gather", dict(context=4), 16384, **k),
+    _case("v5p:2x2x1", "all_gather", dict(context=4), 32768, model=WIDER, **k),
+    _case("v5p:2x2x1", "all_gather", dict(context=4), 16384, remat="offload_layer_inputs", **k),
+    _case("v5p:2x2x1", "ulysses", dict(context=4), 16384, **k),
+    _case("v5p:2x2x1", "ulysses", dict(context=4), 32768, model=WIDER, remat="dots", **k),
+    _case("v5p:2x2x1", "usp", dict(context=2, context_ulysses=2), 32768, **k),
+    _case("tpu7x:2x2x1", "usp", dict(context=4, context_ulysses=2), 16384, **k),
+    _case("tpu7x:2x2x1", "usp", dict(context=2, context_ulysses=4), 32768, model=WIDE, **k),
+    _case("tpu7x:2x2x1", "ring", dict(context=8), 32768, model=WIDE, **k),
+    _case("tpu7x:2x2x1", "ulysses", dict(fsdp=2, context=4), 16384, batch_size=2, **k),
+    _case("tpu7x:2x2x1", "all_gather", dict(context=8), 32768, **k),
+    _case("v5p:2x2x1", "ring", dict(context=4), 16384, model=LARGE, **k),
+    _case(
+      "v5p:2x2x1", "all_gather", dict(fsdp=2, context=2), 16384, model=LARGE, batch_size=2, **k
+    ),
+    _case("v5p:2x2x1", "ulysses", dict(context=4), 16384, model=LARGE, **k),
+    _case("tpu7x:2x2x1", "usp", dict(context=2, context_ulysses=4), 16384, model=LARGE, **k),
+    # A larger vocabulary: the loss chunk and the whole embedding tables.
+    _case("v5p:2x2x1", "ring", dict(context=4), 16384, model=dict(WIDE, vocab_size=16384), **k),
+    _case(
+      "tpu7x:2x2x1",
+      "usp",
+      dict(context=4, context_ulysses=2),
+      16384,
+      model=dict(WIDE, vocab_size=16384),
+      **k,
+    ),
+  ]
+
+
+FIT_CASES = _cases_for("blockwise") + _cases_for("splash")
+
+# Full-size Llama-3.1-8B, `python main.py --mode=compile --gin_file=G
+# --compile_topology=T` (memory_analysis total per device), measured by the
+# session lead on 2026-12-01 (jax 0.10.2, libtpu 0.0.42.1) after the ring fix
+# (619822e); the gin file headers and README "Will it fit?" state them.
+FULL_SIZE = [
+  # gin file, topology, kernel, compiled GiB per device
+  ("gin/ring_v5p.gin", "v5p:4x4x4", "splash", 32.43),
+  ("gin/usp_ironwood.gin", "tpu7x:4x4x4", "splash", 28.84),
+  ("gin/ulysses_v5p.gin", "v5p:4x4x4", "splash", 32.43),
+  ("gin/allgather_v5p.gin", "v5p:4x4x4", "splash", 22.90),
+]
+
+
+# ----------------------------------------------------------------------------
+# Experiments and compiles
+# ----------------------------------------------------------------------------
+def experiment(case: Case):
+  model = dict(case.model, remat_policy=case.remat)
+  train = TrainConfig(
+    batch_size=case.batch_size,
+    seq_len=case.seq_len,
+    context_parallel_strategy=case.strategy,
+    loss_chunk_size=case.loss_chunk,
+    attention_block_q=case.block,
+    attention_block_kv=case.block,
+    attention_backend=case.kernel,
+  )
+  return train_lib.Experiment(
+    model=models.ModelConfig(**model),
+    data=data_lib.DataConfig(),
+    train=train,
+    mesh=MeshConfig(**dict(case.mesh)),
+  )
+
+
+def gin_experiment(gin_file: str):
+  import gin  # pylint: disable=g-import-not-at-top
+
+  from lctx import configs, gin_utils  # pylint: disable=g-import-not-at-top
+
+  gin.clear_config()
+  gin_utils.parse([gin_file], [], search_paths=[ROOT])
+  return configs.experiment()
+
+
+def code_hash() -> str:
+  h = hashlib.sha256()
+  for rel in CODE_PATHS:
+    path = os.path.join(ROOT, rel)
+    files = (
+      sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py"))
+      if os.path.isdir(path)
+      else [path]
+    )
+    for name in files:
+      rel_name = os.path.relpath(name, ROOT)
+      if rel_name in CODE_EXCLUDE:
+        continue
+      h.update(rel_name.encode())
+      with open(name, "rb") as f:
+        h.update(f.read())
+  return h.hexdigest()[:16]
+
+
+def compile_case(case: Case) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
+
+  t0 = time.time()
+  # Mosaic (splash) refuses matmul precision 'highest' for bf16.
+  with jax.default_matmul_precision("default"):
+    rec = compile_lib.compile_step(experiment(case), topology=case.topology)
+  return {
+    "case": dataclasses.asdict(case),
+    "name": case.name,
+    "per_device": rec["per_device"],
+    "attention_backend": rec["attention_backend"],
+    "fits": rec["fits"],
+    "largest_buffers": rec.get("largest_buffers", [])[:6],
+    "libtpu_version": rec.get("libtpu_version"),
+    "date": rec.get("date"),
+    "wall_seconds": round(time.time() - t0, 1),
+  }
+
+
+def load_cache() -> dict:
+  if os.path.exists(CACHE):
+    with open(CACHE) as f:
+      return json.load(f)
+  return {}
+
+
+def save_cache(cache: dict) -> None:
+  os.makedirs(os.path.dirname(CACHE), exist_ok=True)
+  tmp = CACHE + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(cache, f, indent=1)
+  os.replace(tmp, CACHE)
+
+
+# ----------------------------------------------------------------------------
+# The fit
+# ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Point:
+  name: str
+  dims: mm.ModelDims
+  setup: mm.Setup
+  compiled: float
+
+
+def case_point(case: Case, compiled: float) -> Point:
+  exp = experiment(case)
+  mesh = dict(case.mesh)
+  setup = planner.make_setup(
+    exp, strategy=case.strategy, mesh=mesh, remat_policy=case.remat, platform="tpu"
+  )
+  return Point(case.name, planner.model_dims(exp.model), setup, compiled)
+
+
+def gin_point(gin_file: str, topology: str, kernel: str, gib: float) -> Point:
+  exp = gin_experiment(gin_file)
+  target = hardware.parse_target(topology)
+  setup, why = planner.configured_setup(exp, planner.model_dims(exp.model), target)
+  if setup is None:
+    raise ValueError(f"{gin_file} on {topology}: {why}")
+  if setup.kernel != kernel:
+    raise ValueError(f"{gin_file}: the planner resolves kernel {setup.kernel}, measured {kernel}")
+  return Point(f"{kernel}/{topology}/{gin_file}", planner.model_dims(exp.model), setup, gib * GiB)
+
+
+_FIELDS = (*mm.Breakdown.STATE_FIELDS, *mm.Breakdown.LAYER_FIELDS, "loss")
+
+
+def _fields(p: Point, co: dict) -> np.ndarray:
+  bd = mm.estimate(p.dims, p.setup, co)
+  return np.array([float(getattr(bd, f)) for f in _FIELDS])
+
+
+def linear_parts(p: Point, names: list[str]):
+  """(base, per-coefficient slope) of each Breakdown field: every field is
+  affine in the coefficients."""
+  zero = {n: 0.0 for n in mm.COEFFICIENTS}
+  base = _fields(p, zero)
+  slopes = np.stack([_fields(p, {**zero, n: 1.0}) - base for n in names], axis=1)
+  return base, slopes
+
+
+def total_parts(base, slopes, co_vec):  # pylint: disable=unused-argument
+  """Affine form (c0, g) of the total: every field adds (Breakdown.total)."""
+  return base.sum(), slopes.sum(0)
+
+
+def fit(
+  points: list[Point], names: list[str], prior: dict, ridge: float = 0.02, rounds: int = 20
+) -> dict:
+  """Non-negative least squares on est / compiled - 1 over `names`; the other
+  coefficients keep their `prior` values. (The rounds matter only if the
+  total is made non-linear again, e.g. a max over phases.)
+
+  A small ridge pulls each coefficient towards its prior (relative to
+  max(prior, 1)): the small compiles alone cannot tell some terms apart (the
+  layer's residual stream and the attention buffers both grow with the local
+  tokens), and an unpulled fit trades them off into values no buffer count
+  explains."""
+  from scipy.optimize import nnls  # pylint: disable=g-import-not-at-top
+
+  all_names = list(mm.COEFFICIENTS)
+  idx = [all_names.index(n) for n in names]
+  parts = [linear_parts(p, all_names) for p in points]
+  co = np.array([prior[n] for n in all_names], dtype=float)
+  for _ in range(rounds):
+    rows, rhs = [], []
+    for p, (base, slopes) in zip(points, parts, strict=True):
+      c0, g = total_parts(base, slopes, co)
+      fixed = c0 + sum(g[j] * co[j] for j in range(len(co)) if j not in idx)
+      rows.append(g[idx] / p.compiled)
+      rhs.append(1.0 - fixed / p.compiled)
+    for j in idx:
+      scale = max(prior[all_names[j]], 1.0)
+      reg = np.zeros(len(idx))
+      reg[idx.index(j)] = np.sqrt(ridge) / scale
+      rows.append(reg)
+      rhs.append(np.sqrt(ridge) * prior[all_names[j]] / scale)
+    sol, _ = nnls(np.array(rows), np.array(rhs))
+    new = co.copy()
+    new[idx] = sol
+    if np.allclose(new, co, rtol=1e-9, atol=1e-12):
+      break
+    co = new
+  return {n: float(co[i]) for i, n in enumerate(all_names)}
+
+
+def report(points: list[Point], co: dict, title: str) -> list[float]:
+  print(f"\n{title}")
+  print(f"  {'case':72s} {'compiled':>10s} {'planner':>10s} {'error':>7s}")
+  errs = []
+  for p in points:
+    est = mm.estimate(p.dims, p.setup, co).total
+    err = 100.0 * (est - p.compiled) / p.compiled
+    errs.append(err)
+    unit, div = ("GiB", GiB) if p.compiled > GiB else ("MiB", MiB)
+    print(f"  {p.name:72s} {p.compiled / div:7.2f}{unit} {est / div:7.2f}{unit} {err:+6.1f}%")
+  if errs:
+    print(
+      f"  error range {min(errs):+.1f}% .. {max(errs):+.1f}%, mean |error| "
+      f"{np.mean(np.abs(errs)):.1f}%"
+    )
+  return errs
+
+
+# Where the ridge pulls: the blockwise fit before this script (11 small and 6
+# Llama-3.1-8B usp compiles, 2026-12-01, before the ring fix); splash starts
+# from the blockwise values, the new terms from 0.
+PRIOR = {
+  "saved_tensor_scale": 1.0,
+  "gathered_layer_copies": 3.0,
+  "layer_bytes_per_d": 11.3,
+  "mlp_bytes_per_f": 4.6,
+  "ring_bytes_per_q_elem": 8.1,
+  "ring_bytes_per_kv_elem": 8.9,
+  "usp_a2a_bytes_per_elem": 9.1,
+  "ulysses_bytes_per_elem": 4.2,
+  "all_gather_bytes_per_kv_elem": 4.6,
+  "kernel_block_copies": 1.6,
+  "loss_bytes_per_logit": 6.0,
+  "embedding_copies": 0.0,
+  "splash_ring_bytes_per_q_elem": 8.1,
+  "splash_ring_bytes_per_kv_elem": 8.9,
+  "splash_usp_a2a_bytes_per_elem": 9.1,
+  "splash_ulysses_bytes_per_elem": 4.2,
+  "splash_all_gather_bytes_per_kv_elem": 4.6,
+  "splash_q_bytes_per_elem": 4.0,
+}
+# Coefficients the fit moves (all of them).
+FITTED = (
+  "saved_tensor_scale",
+  "gathered_layer_copies",
+  "layer_bytes_per_d",
+  "mlp_bytes_per_f",
+  "loss_bytes_per_logit",
+  "embedding_copies",
+  "ring_bytes_per_q_elem",
+  "ring_bytes_per_kv_elem",
+  "usp_a2a_bytes_per_elem",
+  "ulysses_bytes_per_elem",
+  "all_gather_bytes_per_kv_elem",
+  "kernel_block_copies",
+  "splash_ring_bytes_per_q_elem",
+  "splash_ring_bytes_per_kv_elem",
+  "splash_usp_a2a_bytes_per_elem",
+  "splash_ulysses_bytes_per_elem",
+  "splash_all_gather_bytes_per_kv_elem",
+  "splash_q_bytes_per_elem",
+)
+
+
+def write_coefficients(co: dict) -> None:
+  """Puts the fitted values (2 decimals) into memory_model.py's COEFFICIENTS."""
+  import re  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(ROOT, "lctx", "parallel", "memory_model.py")
+  with open(path) as f:
+    text = f.read()
+  for name, value in co.items():
+    text, n = re.subn(rf'("{name}": )[0-9.]+,', rf"\g<1>{value:.2f},", text)
+    if n != 1:
+      raise ValueError(f"{name} appears {n} times in {path}")
+  with open(path, "w") as f:
+    f.write(text)
+  print(f"wrote {path}")
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--no_compile", action="store_true", help="fit to the cached compiles only")
+  ap.add_argument("--refresh", action="store_true", help="recompile cases of other sources")
+  ap.add_argument("--only", default="", help="compile only cases whose name contains this")
+  ap.add_argument("--no_full_size", action="store_true", help="leave FULL_SIZE out of the fit")
+  ap.add_argument("--write", action="store_true", help="put the fit into memory_model.py")
+  ap.add_argument("--ridge", type=float, default=0.02, help="pull towards PRIOR")
+  args = ap.parse_args(argv)
+
+  cache = load_cache()
+  code = code_hash()
+  for case in FIT_CASES:
+    if args.only and args.only not in case.name:
+      continue
+    hit = cache.get(case.key())
+    if hit and (hit.get("code") == code or not args.refresh):
+      if hit.get("code") != code:
+        print(f"stale (compiled from other sources): {case.name}")
+      continue
+    if args.no_compile:
+      continue
+    print(f"compiling {case.name} ...", flush=True)
+    try:
+      rec = compile_case(case)
+    except Exception as err:  # pylint: disable=broad-except
+      print(f"  failed: {type(err).__name__}: {str(err)[:300]}")
+      continue
+    rec["code"] = code
+    cache[case.key()] = rec
+    save_cache(cache)
+    pd = rec["per_device"]
+    print(
+      f"  {pd['total_bytes'] / MiB:.1f} MiB ({rec['attention_backend']}, {rec['wall_seconds']} s)",
+      flush=True,
+    )
+
+  points = []
+  for case in FIT_CASES:
+    hit = cache.get(case.key())
+    if hit and hit["fits"] and hit["per_device"]["total_bytes"]:
+      if hit["attention_backend"] != case.kernel:
+        print(f"skipped {case.name}: compiled {hit['attention_backend']}")
+        continue
+      points.append(case_point(case, float(hit["per_device"]["total_bytes"])))
+  full = [gin_point(*row) for row in FULL_SIZE]
+
+  report(points + full, dict(mm.COEFFICIENTS), "memory_model.COEFFICIENTS as they are")
+  # Offloading remat policies change what XLA keeps on device in ways the
+  # model does not count (see memory_model): reported, not fitted.
+  fitted = [p for p in points if "offload" not in p.setup.remat_policy]
+  co = fit(fitted + ([] if args.no_full_size else full), list(FITTED), PRIOR, ridge=args.ridge)
+  report(points + full, co, "fitted")
+  if args.write:
+    write_coefficients(co)
+  print("\nCOEFFICIENTS = {")
+  for n, v in co.items():
+    print(f'  "{n}": {v:.2f},')
+  print("}")
+
+
+if __name__ == "__main__":
+  main()

@@ -97,14 +97,6 @@ PER_DEVICE_KEYS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _tpu_matmul_precision():
-  """TPU runs use the default matmul precision; conftest's 'highest' (for CPU
-  numerics) makes Mosaic refuse splash's bf16 matmuls ('Bad lhs type')."""
-  with jax.default_matmul_precision("default"):
-    yield
-
-
 def _experiment(path, params=()):
   gin.clear_config()
   gin_utils.parse([path], list(params), [ROOT])
@@ -290,8 +282,8 @@ def test_auto_takes_the_tpu_kernel_for_tpu_devices():
 def test_auto_never_takes_the_cpu_kernel_on_a_tpu_mesh():
   """A float32 model (the fused CPU kernel's dtype) on TPU devices from this CPU
   host: the plan reads the platform from the mesh, and the step compiles for
-  TPU with no call into the CPU-only kernel (strategy 'none' passes explicit
-  positions without a token layout, so splash passes and blockwise runs)."""
+  TPU with no call into the CPU-only kernel: strategy 'none' takes splash (the
+  pipeline's natural order, declared by lctx/parallel/local.py)."""
   exp = _experiment(
     "gin/ring_v5p.gin",
     [
@@ -309,7 +301,7 @@ def test_auto_never_takes_the_cpu_kernel_on_a_tpu_mesh():
   assert trainer.strategy == "none"
   hlo = trainer.lower_train_step().compile().as_text()
   assert "lctx_cpu_attention" not in hlo
-  assert compile_lib.attention_backend_of(hlo) == "blockwise"
+  assert compile_lib.attention_backend_of(hlo) == "splash"
 
 
 def test_slices_are_data_parallel_over_dcn():

@@ -43,8 +43,9 @@ class TrainConfig:
     b1, b2, eps: AdamW moments.
     grad_clip: global-norm clipping threshold (0 disables).
     z_loss: weight of the log(Z)^2 auxiliary loss (0 disables).
-    loss_chunk_size: tokens per chunk of the chunked cross-entropy; None
-      computes the logits of a whole row at once.
+    loss_chunk_size: tokens per chunk of the chunked cross-entropy, over each
+      device's own tokens (rows x sequence shard); None computes the logits of
+      all of them at once.
     seed: parameter-init and data seed.
     log_every: steps between logged metrics.
     eval_every: steps between held-out evaluations (0: only at the end of

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -47,6 +48,40 @@ _USED_OF = re.compile(r"Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? hbm"
 # ----------------------------------------------------------------------------
 # Devices
 # ----------------------------------------------------------------------------
+# The sources that decide a compiled train step (paths from the repository root).
+COMPILED_CODE = (
+  "lctx/kernels",
+  "lctx/parallel",
+  "lctx/models",
+  "lctx/trainer.py",
+  "lctx/compile.py",
+)
+
+
+def code_hash(exclude=("lctx/parallel/memory_model.py",)) -> str:
+  """Short hash of the COMPILED_CODE sources but `exclude` (by default the
+  planner's arithmetic, which compiles nothing): the key under which the
+  benchmark scripts cache compiled figures, which are only as good as the code
+  they came from."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  h = hashlib.sha256()
+  for rel in COMPILED_CODE:
+    path = os.path.join(root, rel)
+    files = (
+      sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py"))
+      if os.path.isdir(path)
+      else [path]
+    )
+    for name in files:
+      rel_name = os.path.relpath(name, root)
+      if rel_name in exclude:
+        continue
+      h.update(rel_name.encode())
+      with open(name, "rb") as f:
+        h.update(f.read())
+  return h.hexdigest()[:16]
+
+
 def topology_devices(topology: str, num_slices: int = 1) -> list:
   """Compile-only devices of `num_slices` slices of `topology` ('v5p:4x4x4')."""
   hardware.topology_accelerator(topology)  # a known kind, or a clear error

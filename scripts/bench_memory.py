@@ -19,7 +19,7 @@ blocks of 2,048), as the TPU gin files use.
 
 Compiled results are cached in bench_results/bench_memory_cache.json, keyed by
 a hash of the operative config (model, train, mesh), the topology and the
-sources that shape the step (CODE_PATHS), so a rerun compiles only the cells
+sources that shape the step (lctx.compile.code_hash), so a rerun compiles only the cells
 whose config or code changed. A full-size compile takes
 minutes and several GiB on 2 cores: run it under the shared lock, and pick
 cells with --only / --lengths / --strategies / --topologies; --planner_only
@@ -47,6 +47,7 @@ sys.path.insert(0, ROOT)
 
 import gin  # noqa: E402
 
+from lctx import compile as compile_lib  # noqa: E402
 from lctx import configs, gin_utils, hardware, planner  # noqa: E402
 
 GiB = 2**30
@@ -97,32 +98,6 @@ def experiment(params: list[str], gin_files=GIN_FILES):
   return configs.experiment()
 
 
-# The code that decides the compiled train step: a change here recompiles (the
-# planner's arithmetic, lctx/parallel/memory_model.py, does not).
-CODE_PATHS = ("lctx/kernels", "lctx/parallel", "lctx/models", "lctx/trainer.py", "lctx/compile.py")
-NOT_CODE = ("lctx/parallel/memory_model.py",)
-
-
-def code_hash() -> str:
-  """Hash of the sources of CODE_PATHS (a cached figure is only as good as the
-  code it was compiled from)."""
-  h = hashlib.sha256()
-  for rel in CODE_PATHS:
-    path = os.path.join(ROOT, rel)
-    files = (
-      sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py"))
-      if os.path.isdir(path)
-      else [path]
-    )
-    for name in files:
-      if os.path.relpath(name, ROOT) in NOT_CODE:
-        continue
-      h.update(os.path.relpath(name, ROOT).encode())
-      with open(name, "rb") as f:
-        h.update(f.read())
-  return h.hexdigest()[:16]
-
-
 def cache_key(exp, topology: str) -> str:
   """Hash of what decides the compiled program: model, train and mesh configs,
   the topology and the code (code_hash)."""
@@ -131,7 +106,7 @@ def cache_key(exp, topology: str) -> str:
     "train": dataclasses.asdict(exp.train),
     "mesh": dataclasses.asdict(exp.mesh),
     "topology": topology,
-    "code": code_hash(),
+    "code": compile_lib.code_hash(),
   }
   return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

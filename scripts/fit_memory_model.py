@@ -39,6 +39,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 import numpy as np  # noqa: E402
 
+from lctx import compile as compile_lib  # noqa: E402
 from lctx import data as data_lib  # noqa: E402
 from lctx import hardware, models, planner  # noqa: E402
 from lctx import train as train_lib  # noqa: E402
@@ -51,7 +52,7 @@ MiB = 2**20
 CACHE = os.path.join(ROOT, "bench_results", "fit_memory_model.json")
 # The code that decides the compiled step (memory_model / planner excluded:
 # they do not change what compiles).
-CODE_PATHS = ("lctx/kernels", "lctx/parallel", "lctx/models", "lctx/trainer.py", "lctx/compile.py")
+# auto.py only picks strategies; the cases name theirs.
 CODE_EXCLUDE = ("lctx/parallel/memory_model.py", "lctx/parallel/auto.py")
 
 SMALL = dict(
@@ -198,29 +199,8 @@ def gin_experiment(gin_file: str):
   return configs.experiment()
 
 
-def code_hash() -> str:
-  h = hashlib.sha256()
-  for rel in CODE_PATHS:
-    path = os.path.join(ROOT, rel)
-    files = (
-      sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py"))
-      if os.path.isdir(path)
-      else [path]
-    )
-    for name in files:
-      rel_name = os.path.relpath(name, ROOT)
-      if rel_name in CODE_EXCLUDE:
-        continue
-      h.update(rel_name.encode())
-      with open(name, "rb") as f:
-        h.update(f.read())
-  return h.hexdigest()[:16]
-
-
 def compile_case(case: Case) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
-
-  from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
   t0 = time.time()
   # Mosaic (splash) refuses matmul precision 'highest' for bf16.
@@ -438,7 +418,7 @@ def main(argv=None) -> None:
   args = ap.parse_args(argv)
 
   cache = load_cache()
-  code = code_hash()
+  code = compile_lib.code_hash(CODE_EXCLUDE)
   for case in FIT_CASES:
     if args.only and args.only not in case.name:
       continue

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from lctx.parallel.all_gather import all_gather_attention_local
 from lctx.parallel.auto import choose_strategy
 from lctx.parallel.block_ops import AttnConfig
-from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape
+from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
 from lctx.parallel.ring import ring_attention_local
 from lctx.parallel.ulysses import ulysses_attention_local, usp_attention_local
 from lctx.parallel.validation import (
@@ -89,19 +89,7 @@ def _sharded(mesh, strategy: str, cfg: AttnConfig, kv_heads_sharded: bool):
   kv_spec = P(batch, seq, head if kv_heads_sharded else None, None)
   tok_spec = P(batch, seq)
   specs = (q_spec, kv_spec, kv_spec, tok_spec, tok_spec)
-  # check_vma=True: every kernel and strategy types its loop carries and
-  # cotangents (lctx.kernels.shard_typing), so shard_map checks them.
-  fn = jax.shard_map(
-    _local_fn(strategy, mesh, cfg), mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=True
-  )
-  explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-
-  def run(*args):
-    if explicit:  # Explicit axes: inputs must already carry the in_specs sharding
-      args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
-    return fn(*args)
-
-  return jax.jit(run)
+  return jax.jit(shard_map_over(_local_fn(strategy, mesh, cfg), mesh, specs, q_spec))
 
 
 def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions):

@@ -23,11 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lctx import kernels
-from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, mesh_shape
+from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, mesh_shape, shard_map_over
 
 HEAD_AXIS = dict(LOGICAL_RULES)["act_heads"]
 
@@ -49,13 +48,7 @@ def _sharded_splash(mesh, call, q, k, v, segment_ids, positions):
   kv_head = _divides(mesh, (HEAD_AXIS,), k.shape[2]) if q_head else None
   q_spec, kv_spec, tok_spec = P(batch, None, q_head), P(batch, None, kv_head), P(batch, None)
   specs = (q_spec, kv_spec, kv_spec, tok_spec, tok_spec)
-  args = (q, k, v, segment_ids, positions)
-  if isinstance(mesh, jax.sharding.Mesh) and any(
-    t == jax.sharding.AxisType.Explicit for t in mesh.axis_types
-  ):  # Explicit axes: inputs must already carry the in_specs sharding
-    args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
-  fn = jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=True)
-  return fn(*args)
+  return shard_map_over(call, mesh, specs, q_spec)(q, k, v, segment_ids, positions)
 
 
 def local_attention_fn(

@@ -141,6 +141,26 @@ def mesh_shape(mesh: Mesh) -> dict[str, int]:
   return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
+def shard_map_over(fn, mesh, in_specs, out_specs):
+  """`jax.shard_map(fn)` over the whole mesh (check_vma=True: every kernel and
+  strategy types its loop carries and cotangents, lctx.kernels.shard_typing).
+
+  On a concrete mesh with Explicit axes the arguments are first resharded to
+  `in_specs`, which shard_map requires them to carry already."""
+  mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+  explicit = isinstance(mesh, Mesh) and any(
+    t == jax.sharding.AxisType.Explicit for t in mesh.axis_types
+  )
+  if not explicit:
+    return mapped
+
+  def run(*args):
+    args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs))
+    return mapped(*args)
+
+  return run
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Sharding of `[batch, seq]` host batches: batch over data x fsdp, sequence
   over the context axes."""

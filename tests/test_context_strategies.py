@@ -105,7 +105,7 @@ DEFAULT_CASES = [
   ("ulysses", "c8", "mha", True, False),
   ("ulysses", "t2c4", "mha", False, False),
   ("ring", "c8", "gqa", True, True),
-  ("ring", "d2c4", "mqa", True, False),
+  ("ring", "t2c4", "mqa", True, False),  # K/V replicated over tensor
   ("ring", "t2c4", "mla", False, False),
   ("usp", "usp2x4", "gqa", True, True),
   ("usp", "usp4x2", "mha", False, False),

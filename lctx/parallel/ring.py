@@ -190,6 +190,10 @@ def _hop_backward(res, kv, dkv, dq, c, cfg, size, starts):
 
 
 def _ring_bwd(cfg, axis, size, res, dout):
+  # The cotangents are typed like the primals as they came in: behind the
+  # barrier every operand varies over the union of their axes (K/V replicated
+  # over tensor for MQA would look sharded there).
+  primals = res[:3]
   q, k, v, seg, pos, out, lse, dout = _opaque(*res, dout)
   c = _n_chunks(cfg, q.shape[1])
   res = (q, seg, pos, out, lse, dout)
@@ -220,9 +224,9 @@ def _ring_bwd(cfg, axis, size, res, dout):
   # Typed like their primals (K/V replicated over tensor for MQA: summed there).
   refs = (q, k, v, dout)
   return (
-    cotangent_like(dq, q, *refs).astype(q.dtype),
-    cotangent_like(dkv[0], k, *refs).astype(k.dtype),
-    cotangent_like(dkv[1], v, *refs).astype(v.dtype),
+    cotangent_like(dq, primals[0], *refs).astype(q.dtype),
+    cotangent_like(dkv[0], primals[1], *refs).astype(k.dtype),
+    cotangent_like(dkv[1], primals[2], *refs).astype(v.dtype),
     None,
     None,
   )

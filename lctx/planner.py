@@ -135,6 +135,9 @@ def make_setup(
     block_q=exp.train.attention_block_q,
     block_kv=exp.train.attention_block_kv,
     kernel=mm.resolve_kernel(exp.train.attention_backend, platform),
+    head_chunks=getattr(exp.train, "ulysses_head_chunks", None)
+    if strategy in ("ulysses", "usp")
+    else None,
   )
 
 
@@ -153,6 +156,7 @@ def setup_record(setup: mm.Setup) -> dict[str, Any]:
     "loss_chunk_size": setup.loss_chunk_size,
     "mlp_chunk_size": setup.mlp_chunk_size,
     "attention_kernel": setup.kernel,
+    "ulysses_head_chunks": setup.head_chunks,
   }
 
 

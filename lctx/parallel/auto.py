@@ -3,7 +3,10 @@
 REFERENCE.md section 2: all_gather while the gathered K/V fit; ulysses while the
 heads divide (not for MLA, not MQA); usp when the mesh has a ulysses axis; ring
 otherwise. Memory comes from the planner's model (lctx/parallel/memory_model.py):
-the strategy's attention buffers while one layer runs backward, plus an optional
+the strategy's attention buffers while one layer runs backward, for the kernel
+the step runs (`kernel`: memory_model.KERNELS, resolved from
+TrainConfig.attention_backend and the mesh's platform by
+memory_model.resolve_kernel; splash on TPU meshes), plus an optional
 caller-given activation cost per local token. `--mode=plan` uses the same model
 for the whole step.
 """
@@ -39,9 +42,11 @@ def estimate_attention_bytes(
   activation_bytes_per_token: int = 0,
   block_q: int = 512,
   block_kv: int = 512,
+  kernel: str = "blockwise",
 ) -> int:
   """Per-device bytes of one attention layer's buffers (memory_model's
-  attention_buffer_bytes), plus activation_bytes_per_token per local token."""
+  attention_buffer_bytes for `kernel`), plus activation_bytes_per_token per
+  local token."""
   c, u = context_degrees(mesh_shape)
   dims = memory_model.ModelDims(
     vocab_size=0,
@@ -63,9 +68,15 @@ def estimate_attention_bytes(
     dtype_bytes=bytes_per_element,
     block_q=block_q,
     block_kv=block_kv,
+    kernel=kernel,
   )
   if strategy not in memory_model.STRATEGIES:
     raise ValueError(f"[unknown-strategy] {strategy!r}")
+  if kernel not in memory_model.KERNELS:
+    raise ValueError(
+      f"[unknown-kernel] attention kernel {kernel!r}; known: {memory_model.KERNELS} "
+      "(memory_model.resolve_kernel maps attention_backend to one)"
+    )
   attention = memory_model.attention_buffer_bytes(dims, setup, rows=batch_per_device)
   t_local = seq_len // (c * u)
   return int(attention + batch_per_device * t_local * activation_bytes_per_token)
@@ -84,12 +95,16 @@ def choose_strategy(
   memory_budget_bytes: int | None = None,
   activation_bytes_per_token: int = 0,
   load_balance: bool | None = None,
+  kernel: str = "blockwise",
 ) -> tuple[str, str]:
   """Returns (strategy, reason) for `context_parallel_strategy = 'auto'`; logs it.
 
   memory_budget_bytes: per-device bytes available to attention; None = 4 GiB.
   load_balance: None checks each candidate with its default (on for causal
     ring/usp, off otherwise).
+  kernel: the attention kernel the step runs (memory_model.KERNELS), e.g.
+    `memory_model.resolve_kernel(attention_backend, platform)`: 'splash' on
+    TPU meshes for 'auto'. Candidates are sized with its buffers.
   Raises ValueError listing every candidate's rejection if none is valid.
   """
   budget = 4 * 2**30 if memory_budget_bytes is None else int(memory_budget_bytes)
@@ -123,6 +138,7 @@ def choose_strategy(
       batch_per_device=batch_per_device,
       bytes_per_element=bytes_per_element,
       activation_bytes_per_token=activation_bytes_per_token,
+      kernel=kernel,
     )
     valid.append((s, est))
     if est <= budget:

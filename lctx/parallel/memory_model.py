@@ -29,9 +29,18 @@ What the step holds, per device (lctx/trainer.py, lctx/models/transformer.py):
     TPU): blockwise adds its f32 [bq, bk] score tiles per kv-head group;
     splash keeps its tiles in VMEM, and holds lane-wide f32 statistics
     ([heads, tokens, 128]) and f32 output / dq accumulators in HBM;
-  - the loss: one chunk of f32 logits and their gradient at a time; added to
-    the layer's backward, not overlapped with it (memory_analysis' total sums
-    the program's buffer slots, and the compiles keep the logits' slots apart).
+  - remat groups (ModelConfig.remat_group_size k): one saved input per group,
+    and the group's backward holds its k carries (`group_input_copies` per
+    extra layer); offloaded layer inputs with groups of 1 keep more of the
+    attention's buffers live (`offload_attention_copies`);
+  - the loss (lctx/trainer.py `_cross_entropy`): each device scans its own
+    tokens, TrainConfig.loss_chunk_size per chunk, with the whole unembedding
+    (`loss_bytes`): one chunk of f32 logits and their gradient, the gathered
+    table and its f32 gradient accumulator, the f32 cotangent of the local
+    hidden states; with the tensor axis in use, chunks of the global tokens.
+    Added to the layer's backward, not overlapped with it (memory_analysis'
+    total sums the program's buffer slots, and the compiles keep the loss's
+    slots apart).
 
 Shapes fix the bytes per element; how many buffers XLA keeps live is a
 per-element coefficient (COEFFICIENTS), fitted by scripts/fit_memory_model.py
@@ -39,9 +48,11 @@ to TPU compiles (`memory_analysis()` totals of compile-only v5p / TPU7x
 devices, libtpu 0.0.42.1, 2026-12-01, both kernels, the ring after its
 partial-evaluation fix) and checked against the compiler by
 tests/test_planner.py (small cases in the default run, a held-out set under
-`slow`) and scripts/bench_memory.py. Attention's q-side buffers count head
-dims lane-padded to 128 (TPU tiling). GPU targets use the same coefficients
-(their kernels counted as blockwise): an approximation.
+`slow`) and scripts/bench_memory.py. Per-head arrays ([..., heads, H]: q/k/v,
+the attention output, the attention buffers) count head dims lane-padded to
+128 (TPU tiling; no padding for head dim 128). GPU targets use the same
+coefficients and padding (their kernels counted as blockwise): an
+approximation.
 
 Shapes legend: B rows per device, T tokens per device (sequence shard), D
 d_model, F MLP hidden, N / K q / kv heads per tensor shard, H / V qk / value
@@ -114,6 +125,8 @@ class Setup:
     kernel: the attention kernel the step runs, 'blockwise' (pure JAX: f32
       score tiles in HBM) or 'splash' (TPU Pallas: tiles in VMEM; lane-wide
       f32 softmax statistics in HBM); see KERNELS and `resolve_kernel`.
+    head_chunks: TrainConfig.ulysses_head_chunks (ulysses / usp UPipe stages;
+      see head_chunk_fractions); None: all heads at once.
   """
 
   strategy: str
@@ -132,6 +145,7 @@ class Setup:
   block_q: int = 512
   block_kv: int = 512
   kernel: str = "blockwise"
+  head_chunks: int | None = None
 
   def axis(self, name: str) -> int:
     return int(self.mesh.get(name, 1))
@@ -223,7 +237,9 @@ def tensor_bytes_per_token(name: str, dims: ModelDims, setup: Setup) -> float:
   d, f = dims.d_model, dims.mlp_dim / tp
   n = dims.num_heads / tp
   k = dims.num_kv_heads / tp if dims.num_kv_heads % tp == 0 else dims.num_kv_heads
-  h, v = dims.head_dim, dims.v_head_dim
+  # Per-head tensors are [B, T, heads, H] with H minor: lane-padded on TPU
+  # (a head dim of 64 takes the room of 128; Llama's 128 is exact).
+  h, v = lanes(dims.head_dim), lanes(dims.v_head_dim)
   sizes = {
     "layer_input": d * a,
     "query_proj": n * h * a,
@@ -260,14 +276,18 @@ def remat_table(setup: Setup) -> dict[str, str]:
 
 
 def remat_saved_bytes_per_token(
-  dims: ModelDims, setup: Setup, device_scale: float = 1.0
+  dims: ModelDims, setup: Setup, device_scale: float = 1.0, residual_scale: float | None = None
 ) -> tuple[float, float]:
   """(device, host) bytes one layer keeps per token for the backward pass.
 
   With remat groups of k layers only one layer input in k is saved. The
-  device bytes of the tensors other than the layer input are multiplied by
-  `device_scale` (COEFFICIENTS['saved_tensor_scale']: XLA keeps some of them
-  twice, or in f32)."""
+  device bytes of the tagged tensors other than the layer input are
+  multiplied by `device_scale` (COEFFICIENTS['saved_tensor_scale']: XLA keeps
+  some of them twice, or in f32), those of the untagged 'residuals' (remat
+  'none') by `residual_scale` (COEFFICIENTS['residual_scale']; None: as the
+  tagged ones)."""
+  scale = {"layer_input": 1.0}
+  scale["residuals"] = device_scale if residual_scale is None else residual_scale
   device = host = 0.0
   k = max(1, setup.remat_group_size)
   for name, where in remat_table(setup).items():
@@ -275,7 +295,7 @@ def remat_saved_bytes_per_token(
     if where == "offload":
       host += b
     elif where == "device":
-      device += b * (1.0 if name == "layer_input" else device_scale)
+      device += b * scale.get(name, device_scale)
     else:
       raise ValueError(f"remat policy {setup.remat_policy!r}: {name} -> {where!r}")
   return device, host
@@ -374,47 +394,61 @@ class Breakdown:
 COEFFICIENTS = {
   # Saved tensors other than the layer input (remat 'none', 'dots', presets):
   # device bytes per byte of the tagged tensors.
-  "saved_tensor_scale": 1.65,
+  "saved_tensor_scale": 1.56,
+  # The untagged residuals remat 'none' keeps (norm statistics, f32 RoPE
+  # intermediates, ...): device bytes per byte counted in tensor_bytes_per_token.
+  "residual_scale": 0.27,
   # FSDP: copies of one layer's f32 weights live (gathered, bf16 cast, grads).
-  "gathered_layer_copies": 0.07,
+  "gathered_layer_copies": 0.70,
   # Bytes per token per d_model element the layer in backward holds (residual
   # stream and its cotangent, norm outputs, projections' inputs and outputs).
-  "layer_bytes_per_d": 14.35,
+  "layer_bytes_per_d": 11.04,
   # Bytes per MLP-chunk token per hidden (F) element: gate, up, their product
   # and cotangents.
-  "mlp_bytes_per_f": 7.18,
+  "mlp_bytes_per_f": 5.60,
   # ring / usp, per local token and lane-padded element: per q/out element
   # N(H+V) (the f32 output and dQ accumulators: 8 bytes) and per k/v element
   # K(H+V) (the visiting block and the next, dK/dV travelling in f32).
-  "ring_bytes_per_q_elem": 4.81,
-  "ring_bytes_per_kv_elem": 6.92,
+  "ring_bytes_per_q_elem": 5.88,
+  "ring_bytes_per_kv_elem": 7.56,
   # usp on top of its ring, per (q + kv) element: both layouts of q/k/v/out
   # around the all-to-alls (the blockwise fit puts them at 0: they share
   # slots with the ring's buffers).
   "usp_a2a_bytes_per_elem": 0.00,
   # ulysses, per local token per (q + kv) element: the all-to-all'd copies.
-  "ulysses_bytes_per_elem": 3.32,
+  "ulysses_bytes_per_elem": 0.21,
   # all_gather: per whole-sequence token per k/v element (gathered bf16 K/V,
   # and part of their f32 gradient: XLA does not hold all of it at once).
-  "all_gather_bytes_per_kv_elem": 0.67,
+  "all_gather_bytes_per_kv_elem": 2.00,
   # f32 [G*bq, bk] score tiles live per kv-head group (the kernel's blocks).
-  "kernel_block_copies": 2.17,
+  "kernel_block_copies": 1.00,
   # Loss: bytes per logit of one chunk (f32 partial sums over D, bf16 grad).
-  "loss_bytes_per_logit": 4.76,
+  "loss_bytes_per_logit": 3.41,
+  # Per-device loss: bytes per element of the whole [D, vocab] unembedding
+  # (its gathered bf16 copy, the f32 gradient accumulator).
+  "loss_table_bytes_per_elem": 3.78,
+  # Remat groups: layer inputs the group's backward holds beyond a single
+  # layer's, per extra layer in the group (the inner scan's carries).
+  "group_input_copies": 0.80,
+  # ... and MLP [chunk, F] activations per extra layer.
+  "group_mlp_copies": 0.41,
+  # Offloaded layer inputs, groups of 1: extra attention buffers live, per
+  # attention_buffers (see estimate).
+  "offload_attention_copies": 0.21,
   # Whole f32 [vocab, D] tables live through the step (FSDP-gathered
   # unembedding, embedding gradients before their reduce-scatter).
   "embedding_copies": 0.00,
   # The splash kernel (TPU Pallas; its [bq, bk] tiles stay in VMEM). Per
   # element as for blockwise; q-side elements are lane-padded (its softmax
   # statistics are f32 [heads, tokens, 128] arrays).
-  "splash_ring_bytes_per_q_elem": 6.53,
-  "splash_ring_bytes_per_kv_elem": 6.06,
-  "splash_usp_a2a_bytes_per_elem": 1.28,
-  "splash_ulysses_bytes_per_elem": 2.34,
-  "splash_all_gather_bytes_per_kv_elem": 9.78,
+  "splash_ring_bytes_per_q_elem": 7.45,
+  "splash_ring_bytes_per_kv_elem": 8.15,
+  "splash_usp_a2a_bytes_per_elem": 0.00,
+  "splash_ulysses_bytes_per_elem": 1.02,
+  "splash_all_gather_bytes_per_kv_elem": 3.96,
   # all_gather / ulysses: per local query token per lane-padded q element
   # (f32 dq and output, the statistics).
-  "splash_q_bytes_per_elem": 2.19,
+  "splash_q_bytes_per_elem": 2.41,
 }
 
 
@@ -435,14 +469,22 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   params = math.ceil(dims.num_params / (setup.param_shards * tp))
 
   # Saved activations across layers (device) and offloaded ones (host).
-  dev_tok, host_tok = remat_saved_bytes_per_token(dims, setup, co["saved_tensor_scale"])
+  dev_tok, host_tok = remat_saved_bytes_per_token(
+    dims, setup, co["saved_tensor_scale"], co["residual_scale"]
+  )
 
-  # A remat group recomputes k layers from one input: the other k - 1 layers'
-  # tensors are live while the group runs backward (not fitted to compiles).
-  group_extra = 0.0
-  if setup.remat_group_size > 1:
-    per_layer = sum(tensor_bytes_per_token(n, dims, setup) for n in LAYER_TENSORS)
-    group_extra = (setup.remat_group_size - 1) * tokens * per_layer
+  # A remat group of k layers recomputes its forward from its one saved input:
+  # the inner scan keeps the k layer inputs (the carries) while the group runs
+  # backward, k - 1 more than a single remat'd layer, and the compiles keep
+  # more MLP [chunk, F] buffers live per extra layer (transformer.py
+  # _grouped_layers; fitted to groups of 1, 2, 4 on v5p ring / TPU7x usp).
+  extra_layers = max(1, setup.remat_group_size) - 1
+  layer_input = tokens * tensor_bytes_per_token("layer_input", dims, setup)
+  mlp_rows = b * min(t, setup.mlp_chunk_size or t)
+  group_extra = extra_layers * (
+    co["group_input_copies"] * layer_input
+    + co["group_mlp_copies"] * mlp_rows * tensor_bytes_per_token("mlp_hidden", dims, setup)
+  )
 
   # FSDP gathers one layer's weights at a time, and the embedding tables whole.
   gathered = embeddings = 0.0
@@ -457,13 +499,15 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   layer = act * tokens * co["layer_bytes_per_d"] * dims.d_model
   mlp = act * b * min(t, setup.mlp_chunk_size or t) * co["mlp_bytes_per_f"] * dims.mlp_dim / tp
   attention = attention_buffer_bytes(dims, setup, rows=b, coefficients=co)
+  # Offloaded layer inputs with per-layer remat (groups of 1): the compiles
+  # keep more of the attention's buffers live at once (the schedule around the
+  # host transfers: the ring's f32 accumulators appear in more slots of the
+  # v5p compile than with remat 'full'); fitted as a multiple of them.
+  # Groups move their one input per group and show no such growth.
+  if setup.remat_group_size == 1 and remat_table(setup).get("layer_input") == "offload":
+    attention *= 1.0 + co["offload_attention_copies"]
 
-  # The loss: chunks of the flattened global tokens; with several chunks each
-  # device computes a whole chunk's logits (partial sums over its D shard).
-  e = dims.vocab_size / tp
-  chunk = setup.loss_chunk_size
-  rows = tokens if chunk is None or chunk >= setup.batch_size * setup.seq_len else chunk
-  loss = rows * e * co["loss_bytes_per_logit"] + e * dims.d_model / setup.param_shards * F32
+  loss = loss_bytes(dims, setup, tokens, co)
 
   # State offload (TrainConfig.offload_*): between steps on the host; the step
   # streams it in (not counted on the device).
@@ -486,6 +530,38 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   )
 
 
+def per_device_loss(setup: Setup) -> bool:
+  """Whether the step computes the loss over each device's own tokens
+  (lctx/trainer.py `_cross_entropy`: a shard_map over the batch and sequence
+  axes in use, unless the tensor axis shards the vocabulary)."""
+  sharded = setup.batch_ways * setup.context_degree > 1
+  return sharded and setup.axis("tensor") == 1
+
+
+def loss_bytes(dims: ModelDims, setup: Setup, tokens: int, co: Mapping[str, float]) -> float:
+  """The chunked cross-entropy's bytes per device (lctx/kernels/chunked.py).
+
+  Per-device loss (per_device_loss): each device scans its own `tokens` in
+  chunks of loss_chunk_size (TrainConfig: tokens per chunk per device), with
+  the whole unembedding: a bf16 copy of the gathered [D, vocab] table and the
+  f32 accumulator of its gradient (`loss_table_bytes_per_elem` per element),
+  one chunk's logits and their gradient (`loss_bytes_per_logit`), and the f32
+  cotangent of the local hidden states (the chunk scan's stacked output: one
+  f32 [tokens, D], read off the long_v5p compile's largest buffers).
+  Plain SPMD (tensor axis in use, or one device): chunks of the flattened
+  global tokens, each device a whole chunk's logits (vocab / tensor wide) and
+  its f32 unembedding shard.
+  """
+  e = dims.vocab_size / setup.axis("tensor")
+  chunk = setup.loss_chunk_size
+  if per_device_loss(setup):
+    rows = tokens if chunk is None else min(chunk, tokens)
+    table = dims.d_model * dims.vocab_size * co["loss_table_bytes_per_elem"]
+    return rows * e * co["loss_bytes_per_logit"] + table + tokens * dims.d_model * F32
+  rows = tokens if chunk is None or chunk >= setup.batch_size * setup.seq_len else chunk
+  return rows * e * co["loss_bytes_per_logit"] + e * dims.d_model / setup.param_shards * F32
+
+
 def attention_buffer_bytes(
   dims: ModelDims, setup: Setup, rows: int = 1, coefficients: Mapping[str, float] | None = None
 ) -> float:
@@ -495,31 +571,50 @@ def attention_buffer_bytes(
   c, u = setup.axis("context"), setup.axis("context_ulysses")
   n = dims.num_heads / tp
   k = dims.num_kv_heads / tp if dims.num_kv_heads % tp == 0 else dims.num_kv_heads
-  hv = dims.head_dim + dims.v_head_dim
   hv_lanes = lanes(dims.head_dim) + lanes(dims.v_head_dim)  # [..., H] arrays, lane-padded
   seq = setup.seq_len
   t = seq / (c * u)  # local tokens
+  qf, kf = head_chunk_fractions(dims, setup)
+  n, k = n * qf, k * kf  # one UPipe stage's heads live at a time
   if setup.kernel == "splash":
     return rows * _splash_bytes(dims, setup, co, n, k, t) * setup.dtype_bytes / 2
   if setup.strategy in ("none", "all_gather"):
     # The whole sequence's K/V, and the local queries' q/out/dout/dq.
-    per = seq * k * hv * co["all_gather_bytes_per_kv_elem"]
-    per += t * n * hv * co["ulysses_bytes_per_elem"]
+    per = seq * k * hv_lanes * co["all_gather_bytes_per_kv_elem"]
+    per += t * n * hv_lanes * co["ulysses_bytes_per_elem"]
     heads_in_kernel = n
   elif setup.strategy == "ulysses":
     # After the all-to-all: N/P heads of the whole sequence, the same bytes
     # as the local shard of all heads.
-    per = t * (n + k) * hv * co["ulysses_bytes_per_elem"]
+    per = t * (n + k) * hv_lanes * co["ulysses_bytes_per_elem"]
     heads_in_kernel = n / c
   else:
     # ring / usp (after usp's all-to-all, a ring group's chunk of N/u heads:
     # again the same bytes as the local shard).
     per = t * hv_lanes * (n * co["ring_bytes_per_q_elem"] + k * co["ring_bytes_per_kv_elem"])
     if setup.strategy == "usp":
-      per += t * (n + k) * hv * co["usp_a2a_bytes_per_elem"]
+      per += t * (n + k) * hv_lanes * co["usp_a2a_bytes_per_elem"]
     heads_in_kernel = n / u
   blocks = co["kernel_block_copies"] * heads_in_kernel * setup.block_q * setup.block_kv * F32
   return rows * per * setup.dtype_bytes / 2 + blocks
+
+
+def head_chunk_fractions(dims: ModelDims, setup: Setup) -> tuple[float, float]:
+  """(q, kv) fractions of the heads whose attention buffers one UPipe stage holds
+  (TrainConfig.ulysses_head_chunks, lctx/parallel/upipe.py): the stages run in
+  a scan, so buffers are one stage's; K/V go once per GQA group of stages.
+  (1, 1) without head chunks or for other strategies. A shape count, not fitted
+  to compiles: the stage bookkeeping (slices, the output buffer) is not counted."""
+  stages = setup.head_chunks or 1
+  if stages <= 1 or setup.strategy not in ("ulysses", "usp"):
+    return 1.0, 1.0
+  degree = setup.axis("context_ulysses") if setup.strategy == "usp" else setup.axis("context")
+  tp = setup.axis("tensor")
+  q_dev = dims.num_heads / (tp * degree)  # q heads per device after the all-to-all
+  kv_dev = max(dims.num_kv_heads / (tp * degree), 1.0)
+  u, g = q_dev / stages, dims.num_heads / dims.num_kv_heads
+  w = u / g if u >= g else 1.0  # kv heads per stage
+  return 1.0 / stages, min(1.0, w / kv_dev)
 
 
 def fits(breakdown: Breakdown, hbm_bytes_per_device: int) -> bool:
@@ -528,13 +623,12 @@ def fits(breakdown: Breakdown, hbm_bytes_per_device: int) -> bool:
 
 def _splash_bytes(dims: ModelDims, setup: Setup, co, n: float, k: float, t: float) -> float:
   """Attention's per-row bytes with the splash kernel (no HBM score tiles)."""
-  hv = dims.head_dim + dims.v_head_dim
   hv_lanes = lanes(dims.head_dim) + lanes(dims.v_head_dim)
   if setup.strategy in ("none", "all_gather"):
-    per = setup.seq_len * k * hv * co["splash_all_gather_bytes_per_kv_elem"]
+    per = setup.seq_len * k * hv_lanes * co["splash_all_gather_bytes_per_kv_elem"]
     return per + t * n * hv_lanes * co["splash_q_bytes_per_elem"]
   if setup.strategy == "ulysses":
-    per = t * (n + k) * hv * co["splash_ulysses_bytes_per_elem"]
+    per = t * (n + k) * hv_lanes * co["splash_ulysses_bytes_per_elem"]
     return per + t * n * hv_lanes * co["splash_q_bytes_per_elem"]
   per = (
     t
@@ -542,5 +636,5 @@ def _splash_bytes(dims: ModelDims, setup: Setup, co, n: float, k: float, t: floa
     * (n * co["splash_ring_bytes_per_q_elem"] + k * co["splash_ring_bytes_per_kv_elem"])
   )
   if setup.strategy == "usp":
-    per += t * (n + k) * hv * co["splash_usp_a2a_bytes_per_elem"]
+    per += t * (n + k) * hv_lanes * co["splash_usp_a2a_bytes_per_elem"]
   return per

@@ -303,9 +303,12 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
     "notes": [mesh_note] if mesh_note else [],
   }
   t0 = time.perf_counter()
-  dump_dir = tempfile.mkdtemp(prefix="lctx-compile-")
   # The buffer assignment is dumped so that what the executable allocates can
-  # be compared with memory_analysis() (they differ; see _allocated).
+  # be compared with memory_analysis() (they differ; see _allocated). With
+  # LCTX_COMPILE_DUMP_DIR set, the dump (optimized HLO, buffer assignment, live
+  # ranges) is kept there for a closer look at what is live at the peak.
+  keep = os.environ.get("LCTX_COMPILE_DUMP_DIR")
+  dump_dir = keep or tempfile.mkdtemp(prefix="lctx-compile-")
   dump = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "^$"}
   try:
     try:
@@ -316,7 +319,8 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
       compiled, message = None, str(err)
     allocated = _allocated(dump_dir)
   finally:
-    shutil.rmtree(dump_dir, ignore_errors=True)
+    if not keep:
+      shutil.rmtree(dump_dir, ignore_errors=True)
   record["compile_seconds"] = round(time.perf_counter() - t0, 1)
   record["largest_buffers"] = allocated.get("largest_buffers", [])
   if compiled is None:

@@ -100,6 +100,8 @@ class Case:
       f"{self.kernel}/{self.topology}/{self.strategy}/{mesh}/{self.seq_len // 1024}K/"
       f"{self.remat}/d{m['d_model']}v{m['vocab_size']}/b{self.batch_size}"
     )
+    if m["head_dim"] == 128:
+      name += "/h128"
     if m["num_layers"] != 2:
       name += f"/L{m['num_layers']}"
     if self.group > 1:
@@ -219,7 +221,22 @@ LOSS_CASES = [
     loss_chunk=1024,
   )
 ]
-FIT_CASES = _cases_for("blockwise") + _cases_for("splash") + GROUP_CASES + LOSS_CASES
+# Head dim 128, as Llama's (the models above have 32 and 64, which TPU tiling
+# pads to 128 lanes): the per-head terms at the full-size layout.
+H128 = dict(
+  SMALL, vocab_size=16384, d_model=1024, num_heads=8, num_kv_heads=4, head_dim=128, mlp_dim=2816
+)
+H128_CASES = [
+  _case(topology, strategy, mesh, seq_len, model=H128, kernel=k)
+  for k in ("splash", "blockwise")
+  for topology, strategy, mesh, seq_len in (
+    ("v5p:2x2x1", "ring", dict(context=4), 16384),
+    ("v5p:2x2x1", "ulysses", dict(context=4), 16384),
+    ("v5p:2x2x1", "all_gather", dict(context=4), 16384),
+    ("v5p:2x2x1", "usp", dict(context=2, context_ulysses=2), 32768),
+  )
+]
+FIT_CASES = _cases_for("blockwise") + _cases_for("splash") + GROUP_CASES + LOSS_CASES + H128_CASES
 
 # Full-size Llama-3.1-8B, `python main.py --mode=compile --gin_file=G
 # --compile_topology=T` (memory_analysis total per device), measured by the
@@ -450,12 +467,15 @@ PRIOR = {
 # Floors the fit keeps, buffers the step cannot do without: all_gather holds
 # the whole sequence's gathered K and V in bf16 (2 bytes per element) while a
 # layer runs backward; the blockwise kernel at least one f32 [bq, bk] score
-# tile per head in flight. Below them the small compiles' noise, not a buffer
-# count, would be fitted.
+# tile per head in flight; ulysses the bf16 q, k, v and output of its heads
+# over the whole sequence after the all-to-all (2 bytes per element). Below
+# them the small compiles' noise, not a buffer count, would be fitted.
 LOWER = {
   "all_gather_bytes_per_kv_elem": 2.0,
   "splash_all_gather_bytes_per_kv_elem": 2.0,
   "kernel_block_copies": 1.0,
+  "ulysses_bytes_per_elem": 2.0,
+  "splash_ulysses_bytes_per_elem": 2.0,
 }
 # Coefficients the fit moves (all of them).
 FITTED = (

@@ -434,11 +434,11 @@ def _compile(exp, topology):
   return record
 
 
-SPLASH_OFFLOAD = pytest.mark.xfail(
+BLOCKWISE_OFFLOAD = pytest.mark.xfail(
   strict=True,
-  reason="measured 2026-12-01: compiled 189.5 MiB, planner 126.9 MiB (-33.0%): with splash, "
-  "offloading the layer inputs leaves XLA holding 44 MiB more on device than remat 'full' "
-  "(145.7 MiB), which the model does not count (scripts/fit_memory_model.py reports it)",
+  reason="measured 2026-12-01 (refit with remat groups): planner 104.5 vs compiled 89.6 MiB "
+  "(+16.6%): blockwise all_gather with offloaded layer inputs compiles below remat 'full' "
+  "(96.6 MiB); the offload term is fitted to ring / usp, where it costs device memory",
 )
 
 
@@ -446,7 +446,7 @@ def _with_kernels(cases):
   out = []
   for case in cases:
     for kernel in ("blockwise", "splash"):
-      marks = SPLASH_OFFLOAD if kernel == "splash" and "offload" in case[3] else ()
+      marks = BLOCKWISE_OFFLOAD if kernel == "blockwise" and "offload" in case[3] else ()
       out.append(pytest.param(*case, kernel, marks=marks, id=f"{case[0]}-{case[1]}-{kernel}"))
   return out
 
@@ -549,48 +549,21 @@ HELD_OUT = [
 
 
 # Held-out cases the planner misses by more than 15%, as measured on
-# 2026-12-01 (libtpu 0.0.42.1): (topology, strategy, length, remat, kernel) ->
-# planner vs compiled per device.
+# 2026-12-01 (libtpu 0.0.42.1, after the per-device loss; coefficients of
+# scripts/fit_memory_model.py's refit with remat groups and head dim 128):
+# (topology, strategy, length, remat, kernel) -> planner vs compiled per device.
+# 15 of the 18 are within 15%; 8-way all_gather on TPU7x holds more of the
+# whole-sequence K/V than the 4-way fit cases show, and splash with offloaded
+# layer inputs keeps more ring buffers live than the offload term counts.
 HELD_OUT_MISSES = {
-  (
-    "v5p:2x2x1",
-    "ring",
-    32768,
-    "full",
-    "blockwise",
-  ): "planner 1127.4 vs compiled 932.7 MiB (+20.9%)",
-  (
-    "v5p:2x2x1",
-    "all_gather",
-    32768,
-    "full",
-    "splash",
-  ): "planner 1211.1 vs compiled 896.6 MiB (+35.1%)",
-  (
-    "v5p:2x2x1",
-    "ulysses",
-    65536,
-    "none",
-    "blockwise",
-  ): "planner 4208.3 vs compiled 2944.5 MiB (+42.9%)",
-  (
-    "v5p:2x2x1",
-    "ulysses",
-    65536,
-    "none",
-    "splash",
-  ): "planner 4292.8 vs compiled 3471.8 MiB (+23.6%)",
-  ("tpu7x:2x2x1", "ring", 65536, "offload_layer_inputs", "blockwise"): (
-    "planner 790.8 vs compiled 1156.2 MiB (-31.6%): offloading is not modelled"
-  ),
   ("tpu7x:2x2x1", "ring", 65536, "offload_layer_inputs", "splash"): (
-    "planner 797.3 vs compiled 1252.3 MiB (-36.3%): offloading is not modelled"
+    "planner 917.7 vs compiled 1109.7 MiB (-17.3%)"
   ),
   ("tpu7x:2x2x1", "all_gather", 65536, "full", "blockwise"): (
-    "planner 654.1 vs compiled 912.5 MiB (-28.3%)"
+    "planner 643.2 vs compiled 831.5 MiB (-22.7%)"
   ),
   ("tpu7x:2x2x1", "all_gather", 65536, "full", "splash"): (
-    "planner 1219.4 vs compiled 1497.8 MiB (-18.6%)"
+    "planner 1032.3 vs compiled 1414.2 MiB (-27.0%)"
   ),
 }
 

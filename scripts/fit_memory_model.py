@@ -2,17 +2,20 @@ r"""Fit the memory planner's coefficients (lctx/parallel/memory_model.py) to TPU
 
 The planner counts buffer shapes; how many of each XLA keeps live is a
 per-element coefficient (memory_model.COEFFICIENTS). This script compiles small
-Llama-shaped models (FIT_CASES: d_model 256-768, 2 layers, 16K-32K tokens) on
-compile-only `v5p:2x2x1` / `tpu7x:2x2x1` devices with `lctx.compile.compile_step`,
-for both attention kernels (blockwise and splash) and all four strategies,
-caches each compiled record in bench_results/fit_memory_model.json (keyed by
-the case; a case compiled from other sources is reported as stale and
-recompiled with --refresh), adds the full-size Llama-3.1-8B figures measured
-with `--mode=compile` (FULL_SIZE: the flagship gin files, as their headers
-state), and fits the coefficients by non-negative least squares on the
-relative error (est / compiled - 1; the peak phase, layer backward or loss, is
-re-decided each round). It prints each case's compiled and fitted figures and
-the coefficient table to paste into memory_model.COEFFICIENTS.
+Llama-shaped models (FIT_CASES: d_model 256-1024, head dim 32-128, 2-4 layers,
+16K-32K tokens; remat groups of 1 / 2 / 4, offloaded layer inputs, loss chunks
+of 256-4096 tokens per device) on compile-only `v5p:2x2x1` / `tpu7x:2x2x1`
+devices with `lctx.compile.compile_step`, for both attention kernels (blockwise
+and splash) and all four strategies, caches each compiled record in
+bench_results/fit_memory_model.json (keyed by the case; a case compiled from
+other sources is reported as stale and recompiled with --refresh), adds the
+full-size Llama-3.1-8B figures measured with `--mode=compile` (FULL_SIZE: the
+flagship gin files, as their headers state; FULL_SIZE_CHECK: gin/long_v5p.gin,
+reported, not fitted), and fits the coefficients by bounded least squares on
+the relative error (est / compiled - 1; Gauss-Newton rounds, since the offload
+term multiplies the attention ones; LOWER floors). It prints each case's
+compiled and fitted figures and the coefficient table (--write puts it into
+memory_model.COEFFICIENTS).
 
   flock /tmp/lctx-heavy.lock timeout 1200 python scripts/fit_memory_model.py
   python scripts/fit_memory_model.py --no_compile   # fit to the cache only

@@ -304,6 +304,26 @@ def test_auto_never_takes_the_cpu_kernel_on_a_tpu_mesh():
   assert compile_lib.attention_backend_of(hlo) == "splash"
 
 
+def test_auto_strategy_is_sized_with_the_kernel_of_the_mesh(monkeypatch):
+  """`auto` sizes its candidates with the buffers of the kernel the mesh runs:
+  splash on TPU devices, blockwise on CPU ones (the planner counts the same)."""
+  from lctx.parallel import plan as plan_lib  # pylint: disable=g-import-not-at-top
+
+  seen = []
+  choose = plan_lib.choose_strategy
+  monkeypatch.setattr(
+    plan_lib, "choose_strategy", lambda **kw: seen.append(kw["kernel"]) or choose(**kw)
+  )
+  dims = plan_lib.AttentionDims(num_q_heads=8, num_kv_heads=8, head_dim=128, v_head_dim=128)
+  cfg = mesh_lib.MeshConfig(context=4)
+  for devices in (compile_lib.topology_devices("v5p:2x2x1"), jax.devices()[:4]):
+    plan = plan_lib.make_context_plan(
+      mesh_lib.make_mesh(cfg, devices=devices), dims, seq_len=4096, batch_size=1
+    )
+    assert plan.strategy == "all_gather", plan.reason
+  assert seen == ["splash", "blockwise"]
+
+
 def test_slices_are_data_parallel_over_dcn():
   """Two slices: the data axis crosses them, every other axis stays inside one."""
   exp = _experiment("gin/ring_v5p.gin", ["MeshConfig.fsdp = 1", "MeshConfig.context = 4"])

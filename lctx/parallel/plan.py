@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from jax.sharding import Mesh
 
 from lctx.kernels import BACKENDS, cpu_fused
+from lctx.parallel import memory_model
 from lctx.parallel import mesh as mesh_lib
 from lctx.parallel.auto import choose_strategy
 from lctx.parallel.context import make_attention_fn
@@ -190,6 +191,7 @@ def make_context_plan(
   shape = mesh_lib.mesh_shape(mesh)
   degree = shape.get("context", 1) * shape.get("context_ulysses", 1)
   reason = "configured"
+  platform = mesh_platform(mesh)
   if strategy == "auto" and degree == 1:
     strategy, reason = "none", "context degree 1: no context parallelism"
   elif strategy == "auto":
@@ -206,6 +208,9 @@ def make_context_plan(
       memory_budget_bytes=memory_budget_bytes,
       activation_bytes_per_token=dims.activation_bytes_per_token,
       load_balance=load_balance,
+      # Sized with the buffers of the kernel this mesh will run ('auto' is
+      # splash on TPU), as the planner does.
+      kernel=memory_model.resolve_kernel(kernel.backend, platform),
     )
   if load_balance is None:
     load_balance = default_load_balance(strategy)
@@ -230,7 +235,6 @@ def make_context_plan(
       seq_len=seq_len,
       load_balance=load_balance,
     )
-  platform = mesh_platform(mesh)
   if kernel.backend == "auto" and platform == "cpu" and not cpu_fused.available():
     log.warning(
       "attention: the fused C++ CPU kernel is unavailable (%s); float32 calls run "

@@ -88,6 +88,9 @@ def main(argv):
     # hold it too, and there is no TPU metadata server to ask.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # GPU nodes (--compile_topology=h100x8) compile on the CUDA plugin's
+    # compile-only devices: its CUDA library check would fail without a GPU.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   import gin  # pylint: disable=g-import-not-at-top
 
   from lctx import gin_utils  # pylint: disable=g-import-not-at-top

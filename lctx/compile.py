@@ -108,6 +108,36 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
   return list(desc.devices)
 
 
+def compile_devices(topology: str, num_slices: int = 1):
+  """(devices, accelerator row, HBM bytes per device, chips) to compile for.
+
+  `topology` is a TPU slice ('v5p:4x4x4': libtpu's compile-only devices) or a
+  GPU node ('h100x8': the CUDA plugin's, lctx/compile_gpu.py). For GPUs the HBM
+  is the device memory CUDA reports (a little under the table's nominal size).
+  """
+  if ":" in topology:
+    accel = hardware.topology_accelerator(topology)
+    devices = topology_devices(topology, num_slices)
+    chips = hardware.topology_chips(topology) * num_slices
+    return devices, accel, accel.hbm_bytes_per_device, chips
+  target = hardware.parse_target(topology)
+  accel = target.accelerator
+  if accel.platform != "gpu":
+    raise ValueError(
+      f"--compile_topology={topology!r}: a TPU slice is named by its topology, "
+      "e.g. 'v5p:4x4x4' or 'tpu7x:4x4x4'; GPU nodes by '<kind>x<gpus>', e.g. 'h100x8'."
+    )
+  if num_slices != 1:
+    raise ValueError(
+      f"--compile_topology_num_slices={num_slices}: GPU nodes are named whole "
+      f"('h100x16' for two nodes), not as slices; got {topology!r}."
+    )
+  from lctx import compile_gpu  # pylint: disable=g-import-not-at-top
+
+  devices = compile_gpu.gpu_topology_devices(accel.name, target.chips)
+  return devices, accel, compile_gpu.GPU_SPECS[accel.name].device_memory_size, target.chips
+
+
 def _mesh_config(exp, topology: str, num_slices: int):
   """The gin file's MeshConfig; across slices, data parallel over DCN unless set."""
   cfg = exp.mesh
@@ -266,9 +296,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
 
-  accel = hardware.topology_accelerator(topology)
-  chips = hardware.topology_chips(topology) * num_slices
-  devices = topology_devices(topology, num_slices)
+  devices, accel, hbm, chips = compile_devices(topology, num_slices)
   mesh_cfg, mesh_note = _mesh_config(exp, topology, num_slices)
   try:
     mesh = mesh_lib.make_mesh(mesh_cfg, devices=devices)
@@ -288,7 +316,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
     "strategy": trainer.strategy,
     "attention_backend": None,
     "per_device": None,
-    "hbm_bytes_per_device": accel.hbm_bytes_per_device,
+    "hbm_bytes_per_device": hbm,
     "host_bytes_per_vm": None,
     "host_ram_bytes_per_vm": accel.host_ram_bytes_per_host,
     "fits": False,
@@ -341,16 +369,22 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   record["host_bytes_per_vm"] = per_device["host_bytes"] * devices_per_vm
   record["flops_per_device"] = _flops(compiled)
   record.update(_matmul_flops(hlo))
-  hbm_ok = per_device["total_bytes"] <= accel.hbm_bytes_per_device
+  hbm_ok = per_device["total_bytes"] <= hbm
   host_ok = record["host_bytes_per_vm"] <= accel.host_ram_bytes_per_host
   record["fits"] = hbm_ok and host_ok
   record["allocated_hbm_bytes_per_device"] = allocated.get("hbm_bytes")
   record["allocated_temp_bytes_per_device"] = allocated.get("temp_bytes")
-  if not hbm_ok:
+  if accel.platform == "gpu":
+    record["notes"].append(
+      "compile-only GPU devices (lctx/compile_gpu.py): the XLA GPU compiler raises no "
+      "out-of-memory, so fits is memory_analysis()' total against the device memory CUDA "
+      f"reports ({_gib(hbm)} GiB); no autotuning, and cuDNN workspaces are not counted"
+    )
+  elif not hbm_ok:
     record["notes"].append(
       "the compiler accepted this program (its own HBM check passed), yet memory_analysis() "
       f"reports {_gib(per_device['total_bytes'])} GiB, more than the "
-      f"{_gib(accel.hbm_bytes_per_device)} GiB per device. The buffer assignment allocates "
+      f"{_gib(hbm)} GiB per device. The buffer assignment allocates "
       f"{_gib(allocated.get('hbm_bytes'))} GiB of HBM (temporary heap "
       f"{_gib(allocated.get('temp_bytes'))} GiB, against memory_analysis' temp "
       f"{_gib(per_device['temp_bytes'])} GiB): that is what the compiler's check measures, "

@@ -79,6 +79,12 @@ class TrainConfig:
       head stages (UPipe: the all-to-all, kernel and inverse all-to-all of one
       head group at a time, buffers reused; lctx/parallel/upipe.py). None: all
       heads at once.
+    ulysses_stage_projections: with ulysses_head_chunks, each stage also
+      projects its own q/k/v heads and its share of the output projection
+      (lctx/models/attention.py), so the layer's whole q, attention output and
+      their gradients are never held; K/V are re-projected and re-exchanged
+      for every q stage. False: the stages slice the layer's projected q/k/v
+      and exchange K/V once per GQA group.
     offload_optimizer_state, offload_params: keep the optimizer state / the
       parameters in pinned host memory between steps; the step moves them to
       the device where it uses them (params for the forward and backward, the
@@ -125,6 +131,7 @@ class TrainConfig:
   offload_optimizer_state: bool = False
   offload_params: bool = False
   ulysses_head_chunks: int | None = None
+  ulysses_stage_projections: bool = False
 
   def __post_init__(self):
     validate_train_config(self)
@@ -243,6 +250,7 @@ def context_plan(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig) -> paral
     kernel=kernel,
     memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
     head_chunks=cfg.ulysses_head_chunks,
+    stage_projections=cfg.ulysses_stage_projections,
   )
 
 
@@ -357,7 +365,10 @@ class Trainer:
     """A state part in device memory (a no-op unless it is offloaded)."""
     if part not in self._offloaded_parts():
       return tree
-    kind = self.mesh.devices.flat[0].default_memory().kind
+    try:
+      kind = self.mesh.devices.flat[0].default_memory().kind
+    except jax.errors.JaxRuntimeError:  # compile-only GPU devices list no memories
+      kind = "device"
     shardings = jax.tree.map(lambda s: s.with_memory_kind(kind), self.device_state_sharding[part])
     return jax.device_put(tree, shardings)
 

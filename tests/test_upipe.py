@@ -178,3 +178,57 @@ def test_zigzag_permute_local_matches_the_host_reorder(ring, ways):
   zz = run(x, False)
   np.testing.assert_array_equal(zz, zigzag_reorder(np.asarray(x), ring, axis=1))
   np.testing.assert_array_equal(run(zz, True), x)
+
+
+@pytest.mark.parametrize(
+  "strategy,mesh_name,n,kh,chunks",
+  [
+    ("ulysses", "d2c4", 8, 8, 2),  # MHA
+    ("ulysses", "d2c4", 16, 8, 4),  # GQA, u < G: 2 q stages per kv head
+    ("ulysses", "d2c4", 16, 4, 2),  # GQA, u = G
+    ("usp", "usp2x4", 8, 4, 2),  # usp: each stage a ring over `context`
+  ],
+)
+def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chunks):
+  """TrainConfig.ulysses_stage_projections: the attention layer projecting q/k/v and
+  the output one head stage at a time equals the layer run whole (plain strategy)
+  and the plain-jnp reference, values and gradients (input and weights), packed."""
+  from lctx.models.attention import GQAAttention, reference_attention_fn
+  from lctx.models.config import ModelConfig
+
+  mesh = _mesh(mesh_name)
+  cfg = ModelConfig(
+    vocab_size=64, d_model=32, num_layers=1, num_heads=n, num_kv_heads=kh, head_dim=8,
+    mlp_dim=64, dtype="float32", param_dtype="float32",
+  )  # fmt: skip
+  b, t = 2, 32
+  x = jax.random.normal(jax.random.key(1), (b, t, cfg.d_model))
+  seg, pos = _packed(b, t)
+  staged = make_attention_fn(
+    mesh, strategy, ulysses_head_chunks=chunks, stage_projections=True, block_q=8, block_kv=8
+  )
+  assert staged.head_stages(n, kh)[0].shape == (chunks, n // chunks)
+  plain = make_attention_fn(mesh, strategy, block_q=8, block_kv=8)
+  params = GQAAttention(cfg, reference_attention_fn).init(jax.random.key(0), x, seg, pos)
+
+  def run(fn):
+    layer = GQAAttention(cfg, fn)
+    loss = lambda p, x: (layer.apply(p, x, seg, pos) ** 2).sum()  # noqa: E731
+    return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+  (got, g_got), (want, g_want), (ref, g_ref) = (
+    run(f) for f in (staged, plain, reference_attention_fn)
+  )
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  np.testing.assert_allclose(got, ref, rtol=2e-5)
+  flat = lambda g: jax.tree.leaves(g)  # noqa: E731
+  for a, w_, r in zip(flat(g_got), flat(g_want), flat(g_ref)):
+    np.testing.assert_allclose(a, w_, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(a, r, atol=2e-4, rtol=2e-4)
+
+
+def test_stage_projections_rules():
+  with pytest.raises(ValueError, match=r"\[head-chunks\].*needs ulysses_head_chunks >= 2"):
+    make_attention_fn(_mesh("c8"), "ulysses", stage_projections=True)
+  with pytest.raises(ValueError, match=r"\[head-chunks\].*needs tensor = 1"):
+    make_attention_fn(_mesh("t2c4"), "ulysses", ulysses_head_chunks=2, stage_projections=True)

@@ -60,6 +60,7 @@ def _tag_qkv(q, k, v):
 
 _Q_NAMES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 _KV_NAMES = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+_OUT_NAMES = ("act_batch", "act_seq", "act_embed")
 
 
 class GQAAttention(nn.Module):
@@ -81,6 +82,9 @@ class GQAAttention(nn.Module):
     wo = param(
       self, "wo", fan_in_init([0, 1], [2]), (n, h, d), ("heads", "head_dim", "embed"), c.param_dtype
     )
+    head_stages = getattr(self.attention_fn, "head_stages", None)
+    if head_stages is not None:
+      return self._by_head_stages(x, segment_ids, positions, (wq, wk, wv, wo), *head_stages(n, kh))
     q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(c.dtype))
     k = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(c.dtype))
     v = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(c.dtype))
@@ -100,6 +104,59 @@ class GQAAttention(nn.Module):
     )
     out = checkpoint_name(constrain(out, _Q_NAMES), "attention_out")  # [B, T, N, H]
     return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
+
+  def _by_head_stages(self, x, segment_ids, positions, weights, q_heads, kv_heads):
+    """UPipe with per-stage projections (TrainConfig.ulysses_stage_projections).
+
+    Stage g projects only its q heads `q_heads[g]` and kv heads `kv_heads[g]`
+    (lctx.parallel.upipe.head_stages: the heads each device receives in that
+    stage's all-to-all), runs the plug-in on them and adds its share of the
+    output projection. The stages are a scan whose body checkpoints everything
+    but the running sum, so forward and backward hold one stage's q/k/v/out and
+    the layer's `[B, T, D]` output, never the layer's whole q or attention
+    output. Shapes: q_heads `[S, N/S]`, kv_heads `[S, M]` int arrays.
+    """
+    c = self.config
+    wq, wk, wv, wo = (w.astype(c.dtype) for w in weights)
+    nq, m = q_heads.shape[1], kv_heads.shape[1]
+    # One [D, (N/S + 2M) H] matrix per stage: q, k and v come out of one matmul,
+    # so the backward forms dx in one matmul, not three [B, T, D] terms summed.
+    w_qkv = jnp.concatenate(
+      [w[:, idx].reshape(w.shape[0], -1, idx.shape[1] * w.shape[2]) for w, idx in
+       ((wq, q_heads), (wk, kv_heads), (wv, kv_heads))],
+      axis=-1,
+    )  # fmt: skip
+    per_stage = (jnp.moveaxis(w_qkv, 1, 0), wo[q_heads])  # [S, D, (N/S + 2M) H], [S, N/S, H, D]
+    h = wq.shape[2]
+
+    @jax.checkpoint
+    def stage_out(w):
+      w_qkv_g, wo_g = w
+      qkv = jnp.einsum("BTD,DF->BTF", x, w_qkv_g)
+      q = qkv[..., : nq * h].reshape(qkv.shape[:2] + (nq, h))
+      k = qkv[..., nq * h : (nq + m) * h].reshape(qkv.shape[:2] + (m, h))
+      v = qkv[..., (nq + m) * h :].reshape(qkv.shape[:2] + (m, h))
+      q = constrain(apply_rope(q, positions, c.rope_theta), _Q_NAMES)
+      k = constrain(apply_rope(k, positions, c.rope_theta), _KV_NAMES)
+      v = constrain(v, _KV_NAMES)
+      out = self.attention_fn(
+        q,
+        k,
+        v,
+        segment_ids=segment_ids,
+        positions=positions,
+        causal=True,
+        window_size=self.window_size,
+        softmax_scale=None,
+      )
+      out = constrain(out, _Q_NAMES)  # [B, T, N/S, H]
+      return jnp.einsum("BTNH,NHD->BTD", out, wo_g)
+
+    # The sum is outside the checkpoint: its backward needs no stage's input.
+    body = lambda y, w: (y + stage_out(w), None)  # noqa: E731
+    y0 = constrain(jnp.zeros(x.shape, c.dtype), _OUT_NAMES)
+    y, _ = jax.lax.scan(body, y0, per_stage)
+    return checkpoint_name(constrain(y, _OUT_NAMES), "out_proj")
 
 
 class MLAAttention(nn.Module):
@@ -122,6 +179,11 @@ class MLAAttention(nn.Module):
     d, n, r = c.d_model, c.num_heads, c.qk_rope_head_dim
     nope, vd, lat = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
     pd, cd = c.param_dtype, c.dtype
+    if getattr(self.attention_fn, "head_stages", None) is not None:
+      raise ValueError(
+        "[head-chunks] TrainConfig.ulysses_stage_projections projects GQA/MHA heads; "
+        "MLA layers take ulysses_head_chunks alone"
+      )
     norm = lambda name, axis: RMSNorm(c.norm_eps, cd, pd, axis_name=axis, name=name)
 
     if c.q_lora_rank:

@@ -28,6 +28,7 @@ from lctx.parallel.block_ops import AttnConfig
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
 from lctx.parallel.ring import ring_attention_local
 from lctx.parallel.ulysses import ulysses_attention_local, usp_attention_local
+from lctx.parallel.upipe import head_stages
 from lctx.parallel.validation import (
   STRATEGIES,
   default_load_balance,
@@ -122,6 +123,7 @@ def make_attention_fn(
   block_kv_bwd: int | None = None,
   platform: str | None = None,
   ulysses_head_chunks: int | None = None,
+  stage_projections: bool = False,
 ):
   """Builds the model's attention plug-in for one resolved strategy.
 
@@ -135,6 +137,12 @@ def make_attention_fn(
   `platform`: what the kernels' 'auto' picks for (None: the mesh devices').
   `ulysses_head_chunks` (ulysses / usp): run attention in this many head stages
   (UPipe, lctx/parallel/upipe.py); None or 1: all heads at once.
+  `stage_projections` (with ulysses_head_chunks > 1): the plug-in runs every
+  head at once but carries `head_stages(num_heads, num_kv_heads)` (upipe.
+  head_stages): the model then projects q/k/v and the output one stage at a
+  time and calls the plug-in per stage (lctx/models/attention.py), so the
+  layer's whole q, attention output and their gradients never exist; K/V are
+  re-projected and re-exchanged per q stage.
   Validation runs at trace time, before anything compiles.
   """
   platform = platform or mesh.devices.flat[0].platform
@@ -174,10 +182,25 @@ def make_attention_fn(
       token_order=None
       if load_balance is None
       else (zigzag_ring_size(mesh_shape(mesh)) if load_balance else 0),
-      head_chunks=ulysses_head_chunks,
+      head_chunks=None if stage_projections else ulysses_head_chunks,
     )
     return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
 
+  if stage_projections:
+    if (ulysses_head_chunks or 1) < 2:
+      raise ValueError(
+        "[head-chunks] ulysses_stage_projections needs ulysses_head_chunks >= 2, got "
+        f"{ulysses_head_chunks}"
+      )
+    if mesh_shape(mesh).get("tensor", 1) > 1:
+      raise ValueError(
+        "[head-chunks] ulysses_stage_projections picks global heads per stage, so it "
+        f"needs tensor = 1; got mesh {mesh_shape(mesh)} (use ulysses_head_chunks alone)"
+      )
+    degree = mesh_shape(mesh).get("context" if strategy == "ulysses" else "context_ulysses", 1)
+    attention_fn.head_stages = functools.partial(
+      head_stages, degree=degree, stages=ulysses_head_chunks
+    )
   return attention_fn
 
 

@@ -102,6 +102,8 @@ class ContextPlan:
     reason: why this strategy (the `auto` choice, or 'configured').
     head_chunks: ulysses/usp only: run attention in this many head stages
       (UPipe, lctx/parallel/upipe.py); None: all heads at once.
+    stage_projections: with head_chunks, the model projects q/k/v and the
+      output one head stage at a time (context.make_attention_fn).
   """
 
   mesh: Mesh
@@ -112,6 +114,7 @@ class ContextPlan:
   kernel: KernelOptions
   reason: str = "configured"
   head_chunks: int | None = None
+  stage_projections: bool = False
 
   @property
   def context_degree(self) -> int:
@@ -137,6 +140,7 @@ class ContextPlan:
       self.strategy,
       load_balance=self.load_balance,
       ulysses_head_chunks=self.head_chunks,
+      stage_projections=self.stage_projections,
       **kw,
     )
 
@@ -177,6 +181,7 @@ def make_context_plan(
   kernel: KernelOptions = KernelOptions(),
   memory_budget_bytes: int | None = None,
   head_chunks: int | None = None,
+  stage_projections: bool = False,
 ) -> ContextPlan:
   """Resolves strategy (incl. 'auto'), load balance and ring size; validates.
 
@@ -250,6 +255,7 @@ def make_context_plan(
     kernel=kernel,
     reason=reason,
     head_chunks=head_chunks,
+    stage_projections=stage_projections,
   )
   log.info("context plan: %s", plan.describe())
   return plan

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lctx.kernels.shard_typing import varying_like
 from lctx.parallel import block_ops
@@ -69,6 +70,31 @@ def stage_shape(num_heads: int, num_kv_heads: int, degree: int, stages: int):
       f"per kv head); head_chunks={stages}"
     )
   return u, 1, g // u
+
+
+def head_stages(num_heads: int, num_kv_heads: int, *, degree: int, stages: int):
+  """Global head indices of each stage, for a model that projects q/k/v and the
+  output one stage at a time (TrainConfig.ulysses_stage_projections).
+
+  Returns (q_heads `[S, A u]`, kv_heads `[S, A w]`) int arrays: stage g's q heads
+  are heads j n/A + g u + [0, u) of every all-to-all group j (the heads device j
+  receives, u of them), its kv heads those its q heads read (GQA: q head i reads
+  kv head i // G) in the same group-major order, so that the unchunked strategy
+  called on the stage sees an ordinary [A u] q / [A w] kv head problem. With
+  u < G, G / u consecutive stages repeat the same kv heads.
+  """
+  u, w, per_kv = stage_shape(num_heads, num_kv_heads, degree, stages)
+  n_grp, k_grp = num_heads // degree, num_kv_heads // degree
+  q = np.array(
+    [[j * n_grp + g * u + i for j in range(degree) for i in range(u)] for g in range(stages)]
+  )
+  kv = np.array(
+    [
+      [j * k_grp + (g // per_kv) * w + i for j in range(degree) for i in range(w)]
+      for g in range(stages)
+    ]
+  )
+  return q, kv
 
 
 def upipe_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: str, attend):

@@ -7,12 +7,14 @@ files are measured by hand and recorded in their headers.
 """
 
 import dataclasses
+import glob
 import json
 import math
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -239,6 +241,54 @@ def test_hbm_table_is_what_the_compiler_enforces(kind):
   assert abs(available - table) < 0.01 * GiB, (kind, available / GiB, table / GiB)
 
 
+def test_the_compiler_enforces_memory_analysis_not_the_buffer_assignment():
+  """Why `fits` reads memory_analysis(): on a 2-layer scan's gradient at 1.44M x
+  4096 (v5p, one device) memory_analysis' temporaries exceed the heap of the
+  buffer-assignment dump by one [rows, 4096] bf16 buffer, and the compiler's
+  own out-of-memory check counts that figure: arguments + heap fit the 95.74
+  GiB, memory_analysis' total does not, and the compile is refused with it.
+  (At 524,288 rows it compiles: temp 32.00 GiB against a 28.00 GiB heap.)"""
+  devices = compile_lib.topology_devices("v5p:2x2x1")
+  sharding = NamedSharding(Mesh(devices[:1], ("x",)), P())
+
+  def grad_of_scan(x, w):
+    def loss(x, w):
+      y, _ = jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)
+      return y.astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1))(x, w)
+
+  def lowered(rows):
+    x = jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16, sharding=sharding)
+    w = jax.ShapeDtypeStruct((2, 4096, 4096), jnp.bfloat16, sharding=sharding)
+    return jax.jit(grad_of_scan).lower(x, w)
+
+  with tempfile.TemporaryDirectory() as dump:
+    compiled = lowered(524_288).compile(
+      compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+    )
+    with open(glob.glob(os.path.join(dump, "*grad_of_scan*buffer-assignment.txt"))[0]) as f:
+      heap = max(int(n) for n in re.findall(r"size (\d+), preallocated-temp:", f.read()))
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  row = 524_288 * 4096 * 2
+  assert abs((temp - heap) - row) < 2**20, (temp / GiB, heap / GiB)
+  rows = 1_441_792  # 2.75 x: heap + arguments 88.0 GiB, memory_analysis total 99.0 GiB
+  with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as err:
+    lowered(rows).compile()
+  needed, available = compile_lib._oom_bytes(str(err.value))  # pylint: disable=protected-access
+  scale = rows / 524_288
+  args = rows * 4096 * 2 + 2 * 4096 * 4096 * 2
+  assert args + scale * heap < available < needed
+  assert abs(needed - (args + scale * temp)) < 0.02 * needed
+
+
+def test_gpu_nodes_and_tpu_slices_are_named_apart():
+  with pytest.raises(ValueError, match="named by its topology"):
+    compile_lib.compile_devices("v5p-64")
+  with pytest.raises(ValueError, match="not as slices"):
+    compile_lib.compile_devices("h100x8", num_slices=2)
+
+
 def test_oom_figures_are_read_in_their_units():
   read = compile_lib._oom_bytes  # pylint: disable=protected-access
   assert read("temporaries (97.88G) exceeds available HBM (95.74G).") == (
@@ -346,6 +396,19 @@ def test_without_libtpu_it_says_how_to_install_it(monkeypatch):
   )
   with pytest.raises(RuntimeError, match=re.escape("pip install -e '.[tpu]'")):
     compile_lib.topology_devices("v5p:2x2x1")
+
+
+def test_without_the_cuda_plugin_it_says_how_to_install_it(monkeypatch):
+  from lctx import compile_gpu  # pylint: disable=g-import-not-at-top
+
+  real = compile_gpu.importlib.util.find_spec
+  monkeypatch.setattr(
+    compile_gpu.importlib.util,
+    "find_spec",
+    lambda n: None if n == "jax_plugins.xla_cuda12" else real(n),
+  )
+  with pytest.raises(RuntimeError, match=re.escape("pip install -e '.[gpu_compile]'")):
+    compile_lib.compile_devices("h100x8")
 
 
 def test_compile_errors_name_the_problem():

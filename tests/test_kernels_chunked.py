@@ -146,3 +146,28 @@ def test_chunked_mlp_never_holds_full_hidden():
   hidden_bytes = t * f * 4
   assert temp(None) >= hidden_bytes
   assert temp(256) < hidden_bytes / 3  # a few [256, F] chunk buffers
+
+
+def test_chunked_mlp_moves_no_token_between_devices():
+  """With the sequence sharded over 8 devices, the chunks (strided) are local to
+  every device: the compiled forward and backward hold no collective over the
+  activations (contiguous chunks made XLA all-gather or all-to-all them)."""
+  import re
+
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((8,), ("c",), axis_types=(jax.sharding.AxisType.Auto,))
+  sharded = NamedSharding(mesh, P(None, "c", None))
+  w1, w2 = jnp.ones((64, 128)), jnp.ones((128, 64))
+
+  def loss(x):
+    y = chunked_mlp(lambda xc: jnp.tanh(xc @ w1) @ w2, x, 1024)
+    return jax.lax.with_sharding_constraint(y, sharded).sum()
+
+  x = jax.ShapeDtypeStruct((1, 8192, 64), jnp.float32, sharding=sharded)
+  hlo = jax.jit(jax.grad(loss), out_shardings=sharded).lower(x).compile().as_text()
+  found = {
+    op: len(re.findall(op, hlo)) for op in ("all-to-all", "all-gather", "collective-permute")
+  }
+  assert not any(found.values()), found

@@ -117,6 +117,13 @@ class ModelConfig:
     layer again rematerialised inside, so at most k inputs live at once). A
     multiple of len(attention_pattern) that divides num_layers; needs a remat
     policy other than 'none' and scan_layers=True."""
+  remat_group_inner_inputs: str = "device"
+  """With remat_group_size > 1: where a group keeps the inputs of its layers while
+    its backward recomputes them ('device': k of them on the device at once;
+    'offload': each goes to pinned host memory as it is recomputed and comes back
+    for its layer's backward, like the group's own input under an offloading
+    policy). Host memory grows by one group's k inputs, the device's by none.
+    Layers outside groups (remat_group_size 1) have no inner inputs: no effect."""
   layer_input_pieces: int = 1
   """Save (or offload) each layer input as this many pieces split along d_model
     (a divisor of d_model). libtpu 0.0.42.1 aborts the compile
@@ -274,6 +281,10 @@ def _validate_remat_custom(c: ModelConfig) -> None:
 
 
 def _validate_remat_group(c: ModelConfig) -> None:
+  if c.remat_group_inner_inputs not in ("device", "offload"):
+    raise ValueError(
+      f"remat_group_inner_inputs must be 'device' or 'offload'; got {c.remat_group_inner_inputs!r}"
+    )
   k, period = c.remat_group_size, len(c.attention_pattern) if c.attention_pattern else 1
   if not isinstance(k, int) or k < 1:
     raise ValueError(f"remat_group_size must be an int >= 1; got {k!r}")

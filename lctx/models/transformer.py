@@ -26,17 +26,20 @@ from lctx.models.layers import MLP, RMSNorm, constrain, param
 
 _ACT = ("act_batch", "act_seq", "act_embed")
 LAYER_INPUT_NAME = "layer_input"
+# The inputs of the layers inside a remat group (remat_group_inner_inputs): a name
+# of their own, so the group's policy (which sees every name inside) leaves them.
+GROUP_INNER_INPUT_NAME = "group_inner_input"
 
 
-def tag_layer_input(x, pieces: int = 1):
-  """x tagged LAYER_INPUT_NAME for the remat policy, as `pieces` values split
+def tag_layer_input(x, pieces: int = 1, name: str = LAYER_INPUT_NAME):
+  """x tagged `name` (LAYER_INPUT_NAME) for the remat policy, as `pieces` values split
   along d_model (ModelConfig.layer_input_pieces: keeps each saved or offloaded
   value under libtpu's 2**31-element limit; d_model is not sharded, so the
   split and the concatenation stay on each device)."""
   if pieces == 1:
-    return checkpoint_name(x, LAYER_INPUT_NAME)
+    return checkpoint_name(x, name)
   parts = jnp.split(x, pieces, axis=-1)
-  return jnp.concatenate([checkpoint_name(p, LAYER_INPUT_NAME) for p in parts], axis=-1)
+  return jnp.concatenate([checkpoint_name(p, name) for p in parts], axis=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -45,14 +48,16 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
   attention_fn: Callable
   window_size: int | None = None
-  tag_input: bool = True  # False inside a remat group: the group input is tagged
+  # The remat tag of the layer's input: None inside a remat group, where the
+  # group tags its own input (GROUP_INNER_INPUT_NAME with remat_group_inner_inputs).
+  input_tag: str | None = LAYER_INPUT_NAME
 
   @nn.compact
   def __call__(self, x, segment_ids, positions):
     c = self.config
     x = constrain(x, _ACT)
-    if self.tag_input:  # what 'offload_layer_inputs' and friends keep or offload
-      x = tag_layer_input(x, c.layer_input_pieces)
+    if self.input_tag:  # what 'offload_layer_inputs' and friends keep or offload
+      x = tag_layer_input(x, c.layer_input_pieces, self.input_tag)
     attn_cls = MLAAttention if c.attention == "mla" else GQAAttention
     h = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="attn_norm")(x)
     x = x + attn_cls(c, self.attention_fn, self.window_size, name="attention")(
@@ -68,7 +73,8 @@ class Block(nn.Module):
 
   in_group=True: the block runs inside a remat group (remat_group_size > 1); its
   layers are rematerialised with the policy of the tags other than the layer input
-  and leave the input untagged (the group tags its own input).
+  and leave the input untagged (the group tags its own input), unless
+  remat_group_inner_inputs='offload' sends their inputs to host too.
   """
 
   config: ModelConfig
@@ -88,7 +94,10 @@ class Block(nn.Module):
         DecoderLayer, policy=inner if self.in_group else outer, prevent_cse=not c.scan_layers
       )
     for i, window in enumerate(c.attention_pattern):
-      x = layer_cls(c, self.attention_fn, window, tag_input=not self.in_group, name=f"layer_{i}")(
+      tag = LAYER_INPUT_NAME
+      if self.in_group:
+        tag = GROUP_INNER_INPUT_NAME if c.remat_group_inner_inputs == "offload" else None
+      x = layer_cls(c, self.attention_fn, window, input_tag=tag, name=f"layer_{i}")(
         x, segment_ids, positions
       )
     return x, None  # (carry, per-step output) for nn.scan
@@ -120,6 +129,8 @@ def checkpoint_policies(c: ModelConfig):
     return _named_policy(choices), None
   group = {LAYER_INPUT_NAME: choices[LAYER_INPUT_NAME]}
   inner = {t: ch for t, ch in choices.items() if t != LAYER_INPUT_NAME}
+  if c.remat_group_inner_inputs == "offload":
+    inner[GROUP_INNER_INPUT_NAME] = "offload"
   return _named_policy(group), _named_policy(inner)
 
 
@@ -175,7 +186,13 @@ def _init_stacked_blocks(c: ModelConfig, rng):
   dummy = jnp.zeros((1, 2, c.d_model), c.dtype)
   ids = jnp.ones((1, 2), jnp.int32)
   block = Block(
-    dataclasses.replace(c, remat_policy="none", remat_custom=(), remat_group_size=1),
+    dataclasses.replace(
+      c,
+      remat_policy="none",
+      remat_custom=(),
+      remat_group_size=1,
+      remat_group_inner_inputs="device",
+    ),
     reference_attention_fn,
   )
 

@@ -38,9 +38,8 @@ def chunked_mlp(fn: Callable[[jnp.ndarray], jnp.ndarray], x: jnp.ndarray, chunk_
     chunk_size: tokens per chunk along T; None or >= T applies fn once.
 
   Returns:
-    fn(x) `[B, T, D']`. Each chunk runs under jax.checkpoint inside lax.scan, so
-    the backward pass recomputes the chunk's hidden `[B, c, F]` rather than
-    storing `[B, T, F]`.
+    fn(x) `[B, T, D']`. The chunks run in a lax.scan and the backward pass
+    recomputes each chunk's hidden `[B, c, F]` rather than storing `[B, T, F]`.
 
   The chunks are strided: chunk i holds tokens i, i + n, i + 2n, ... (n chunks).
   With the sequence sharded in contiguous blocks over P devices, every device
@@ -58,24 +57,58 @@ def chunked_mlp(fn: Callable[[jnp.ndarray], jnp.ndarray], x: jnp.ndarray, chunk_
   pad = n_chunks * c - t
   if pad:  # per-token fn: padded rows are computed and dropped
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-  # Token j n + i is row j of chunk i: [B, c, n, D] keeps T's sharding on c. The
-  # chunks are read and written in place along axis 2 (no [n, B, c, D] copy of x
-  # or of the output), and the checkpoint takes only the chunk index, so the
-  # backward saves no chunk.
+  # Token j n + i is row j of chunk i: [B, c, n, D] keeps T's sharding on c.
   x4 = x.reshape((b, c, n_chunks) + x.shape[2:])
-  out = jax.eval_shape(fn, jax.ShapeDtypeStruct((b, c) + x.shape[2:], x.dtype))
-
-  @jax.checkpoint
-  def step(i):
-    return fn(jax.lax.dynamic_index_in_dim(x4, i, axis=2, keepdims=False))
-
-  def body(y, i):
-    return jax.lax.dynamic_update_index_in_dim(y, step(i), i, axis=2), None
-
-  y0 = jnp.zeros((b, c, n_chunks) + out.shape[2:], out.dtype)
-  y, _ = jax.lax.scan(body, y0, jnp.arange(n_chunks))
-  y = y.reshape((b, n_chunks * c) + out.shape[2:])
+  f, consts = jax.closure_convert(fn, jax.ShapeDtypeStruct((b, c) + x.shape[2:], x.dtype))
+  y = _chunk_map(f, n_chunks, x4, *consts)
+  y = y.reshape((b, n_chunks * c) + y.shape[3:])
   return y[:, :t] if pad else y
+
+
+def _index(a, i):
+  return jax.lax.dynamic_index_in_dim(a, i, axis=2, keepdims=False)
+
+
+def _put(a, v, i):
+  return jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunk_map(f, n, x4, *consts):
+  """`[B, c, n, D] -> [B, c, n, D']`: f(chunk, *consts) on each chunk [:, :, i].
+
+  Chunks are read and written in place along axis 2: no [n, B, c, D] copy of x,
+  of the output or of their cotangents. The backward (custom, so that it reads
+  the output cotangent in place too: differentiating the forward's in-place
+  writes made XLA copy the whole cotangent) recomputes each chunk's forward,
+  as jax.checkpoint would, and accumulates the consts' cotangents.
+  """
+  out = jax.eval_shape(f, _index(x4, 0), *consts)
+  y0 = jnp.zeros(x4.shape[:3] + out.shape[2:], out.dtype)
+  body = lambda y, i: (_put(y, f(_index(x4, i), *consts), i), None)  # noqa: E731
+  return jax.lax.scan(body, y0, jnp.arange(n))[0]
+
+
+def _chunk_map_fwd(f, n, x4, *consts):
+  return _chunk_map(f, n, x4, *consts), (x4, consts)
+
+
+def _chunk_map_bwd(f, n, res, dy):
+  x4, consts = res
+
+  def body(carry, i):
+    dx, dconsts = carry
+    _, vjp = jax.vjp(f, _index(x4, i), *consts)
+    dxc, *dcs = vjp(_index(dy, i))
+    dconsts = [a + d.astype(a.dtype) for a, d in zip(dconsts, dcs)]
+    return (_put(dx, dxc, i), dconsts), None
+
+  init = (jnp.zeros_like(x4), [jnp.zeros_like(a) for a in consts])
+  (dx, dconsts), _ = jax.lax.scan(body, init, jnp.arange(n))
+  return (dx, *dconsts)
+
+
+_chunk_map.defvjp(_chunk_map_fwd, _chunk_map_bwd)
 
 
 # ---------------------------------------------------------------------------

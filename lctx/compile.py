@@ -387,9 +387,9 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
       f"{_gib(hbm)} GiB per device. The buffer assignment allocates "
       f"{_gib(allocated.get('hbm_bytes'))} GiB of HBM (temporary heap "
       f"{_gib(allocated.get('temp_bytes'))} GiB, against memory_analysis' temp "
-      f"{_gib(per_device['temp_bytes'])} GiB): that is what the compiler's check measures, "
-      "and memory_analysis() over-states the temporaries (README 'Will it fit?'). Counted as "
-      "not fitting, as the total is the contract's figure."
+      f"{_gib(per_device['temp_bytes'])} GiB). On other programs the compiler's check "
+      "enforces memory_analysis' figure, so which one the TPU's HBM sees is not settled "
+      "(README 'Will it fit?'). Counted as not fitting, as the total is the contract's figure."
     )
   return record
 

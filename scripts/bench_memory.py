@@ -56,10 +56,13 @@ TOPOLOGIES = ("v5p:4x4x4", "tpu7x:4x4x4")
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
 LENGTHS = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
 ULYSSES = 8  # Llama-3.1-8B's kv heads: the widest all-to-all the heads allow
-# The length records (issue 14): gin file -> the slice its header names.
-RECORDS = {"gin/long_v5p.gin": "v5p:4x4x4", "gin/long_ironwood.gin": "tpu7x:4x4x4"}
-# GPU nodes have no deviceless compiler here: the planner's estimate, labelled.
-GPU_RECORD = ("h100x8", "gin/long_v5p.gin", {"context": 2, "context_ulysses": 4})
+# The length records (issue 14): gin file -> the slice or node its header names
+# (GPU nodes compile on the CUDA plugin's compile-only devices, lctx/compile_gpu.py).
+RECORDS = {
+  "gin/long_v5p.gin": "v5p:4x4x4",
+  "gin/long_ironwood.gin": "tpu7x:4x4x4",
+  "gin/long_h100.gin": "h100x8",
+}
 
 
 def mesh_for(strategy: str, devices: int) -> tuple[dict[str, int], int]:
@@ -187,6 +190,7 @@ def record_rows(cache, args) -> list[dict]:
       "policy": f"{m.remat_policy}, groups of {m.remat_group_size}, "
       f"input in {m.layer_input_pieces} piece(s)",
       "source": "compiled" if record and "per_device" in record else "not compiled",
+      **planner_row(exp, topology),
     }
     if record and "per_device" in record:
       pd = record["per_device"]
@@ -207,55 +211,13 @@ def record_rows(cache, args) -> list[dict]:
     elif record:
       row["error"] = record.get("error")
     rows.append(row)
-  rows.append(gpu_record_row())
   return rows
-
-
-def gpu_record_row() -> dict:
-  """The longest length (in 1M steps) the planner says fits the GPU node with the
-  record's memory toolkit: an estimate, not a compile."""
-  hardware_name, path, mesh = GPU_RECORD
-  target = hardware.parse_target(hardware_name)
-  best = None
-  for millions in range(1, 33):
-    params = [f"MeshConfig.{a} = {n}" for a, n in mesh.items()]
-    params += ["TrainConfig.context_parallel_strategy = 'usp'"]
-    params += [f"TrainConfig.seq_len = {millions << 20}"]
-    exp = experiment(params, gin_files=(path,))
-    setup = planner.make_setup(
-      exp,
-      strategy="usp",
-      mesh={**mesh, "data": 1, "fsdp": 1, "tensor": 1},
-      remat_policy=exp.model.remat_policy,
-    )
-    ev = planner.evaluate(planner.model_dims(exp.model), setup, target)
-    if not ev["fits"]:
-      break
-    best = (millions << 20, ev)
-  row = {
-    "gin_file": path,
-    "topology": hardware_name,
-    "strategy": "usp",
-    "mesh": mesh,
-    "source": planner.ESTIMATE_LABEL,
-  }
-  if best:
-    row.update(
-      seq_len=best[0],
-      tokens_per_step=best[0],
-      total_bytes=best[1]["per_device_total_bytes"],
-      host_bytes_per_device=best[1]["host_bytes_per_device"],
-      fits=True,
-    )
-  else:
-    row.update(seq_len=None, fits=False, note="1M tokens already does not fit (estimate)")
-  return row
 
 
 def records_table(rows: list[dict]) -> str:
   head = (
     f"{'gin file':24s} {'slice':12s} {'tokens':>12s} {'HBM GiB':>8s} {'alloc':>6s} "
-    f"{'host/VM GiB':>11s} {'fits':>5s} {'matmul TFLOP/dev':>16s}  source"
+    f"{'host/VM GiB':>11s} {'fits':>5s} {'planner':>7s} {'matmul TFLOP/dev':>16s}  source"
   )
   lines = [head, "-" * len(head)]
   for r in rows:
@@ -265,6 +227,7 @@ def records_table(rows: list[dict]) -> str:
       f"{_g(r.get('total_bytes')):>8s} {_g(r.get('allocated_hbm_bytes')):>6s} "
       f"{_g(r.get('host_bytes_per_vm')):>11s} "
       f"{'-' if r.get('fits') is None else ('yes' if r['fits'] else 'NO'):>5s} "
+      f"{_g(r.get('planner_total_bytes')):>7s} "
       f"{'-' if flops is None else f'{flops / 1e12:,.0f}':>16s}  {r['source']}"
     )
   return "\n".join(lines)
@@ -298,7 +261,7 @@ def main(argv=None) -> None:
     "--records",
     action="store_true",
     help="the length records instead of the matrix: the RECORDS gin files compiled for "
-    "their slices, and the planner's estimate for 8 x H100",
+    "their slices and node, with the planner's estimate beside each",
   )
   ap.add_argument("--timeout", type=int, default=1500, help="seconds per compile")
   ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench_memory.json"))

@@ -61,7 +61,12 @@ SMALL_SLICE = {
   ),
   "gin/long_ironwood.gin": (
     "tpu7x:2x2x1",
-    ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2", "TrainConfig.batch_size = 1"],
+    [
+      "MeshConfig.context = 4",
+      "MeshConfig.context_ulysses = 2",
+      "TrainConfig.batch_size = 1",
+      "TrainConfig.ulysses_head_chunks = 2",  # the tiny model's 2 heads per device
+    ],
   ),
   "gin/ring_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
   "gin/allgather_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),

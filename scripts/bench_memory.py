@@ -152,6 +152,7 @@ def planner_row(exp, topology: str) -> dict:
     strategy=exp.train.context_parallel_strategy,
     mesh=mesh,
     remat_policy=exp.model.remat_policy,
+    platform=target.accelerator.platform,  # the kernel 'auto' runs there
   )
   problem = planner.check_valid(dims, setup)
   ev = planner.evaluate(dims, setup, target)

@@ -88,10 +88,18 @@ class GQAAttention(nn.Module):
     q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(c.dtype))
     k = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(c.dtype))
     v = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(c.dtype))
+    out = self._attend(q, k, v, segment_ids, positions, tag=True)
+    out = checkpoint_name(out, "attention_out")  # [B, T, N, H]
+    return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
+
+  def _attend(self, q, k, v, segment_ids, positions, tag=False):
+    """RoPE on the projected q/k, then the plug-in; tag: the remat tags on q/k/v."""
+    c = self.config
     q = constrain(apply_rope(q, positions, c.rope_theta), _Q_NAMES)
     k = constrain(apply_rope(k, positions, c.rope_theta), _KV_NAMES)
     v = constrain(v, _KV_NAMES)
-    q, k, v = _tag_qkv(q, k, v)
+    if tag:
+      q, k, v = _tag_qkv(q, k, v)
     out = self.attention_fn(
       q,
       k,
@@ -102,8 +110,7 @@ class GQAAttention(nn.Module):
       window_size=self.window_size,
       softmax_scale=None,
     )
-    out = checkpoint_name(constrain(out, _Q_NAMES), "attention_out")  # [B, T, N, H]
-    return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
+    return constrain(out, _Q_NAMES)
 
   def _by_head_stages(self, x, segment_ids, positions, weights, q_heads, kv_heads):
     """UPipe with per-stage projections (TrainConfig.ulysses_stage_projections).
@@ -136,20 +143,7 @@ class GQAAttention(nn.Module):
       q = qkv[..., : nq * h].reshape(qkv.shape[:2] + (nq, h))
       k = qkv[..., nq * h : (nq + m) * h].reshape(qkv.shape[:2] + (m, h))
       v = qkv[..., (nq + m) * h :].reshape(qkv.shape[:2] + (m, h))
-      q = constrain(apply_rope(q, positions, c.rope_theta), _Q_NAMES)
-      k = constrain(apply_rope(k, positions, c.rope_theta), _KV_NAMES)
-      v = constrain(v, _KV_NAMES)
-      out = self.attention_fn(
-        q,
-        k,
-        v,
-        segment_ids=segment_ids,
-        positions=positions,
-        causal=True,
-        window_size=self.window_size,
-        softmax_scale=None,
-      )
-      out = constrain(out, _Q_NAMES)  # [B, T, N/S, H]
+      out = self._attend(q, k, v, segment_ids, positions)  # [B, T, N/S, H]
       return jnp.einsum("BTNH,NHD->BTD", out, wo_g)
 
     # The sum is outside the checkpoint: its backward needs no stage's input.

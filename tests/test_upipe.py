@@ -232,3 +232,12 @@ def test_stage_projections_rules():
     make_attention_fn(_mesh("c8"), "ulysses", stage_projections=True)
   with pytest.raises(ValueError, match=r"\[head-chunks\].*needs tensor = 1"):
     make_attention_fn(_mesh("t2c4"), "ulysses", ulysses_head_chunks=2, stage_projections=True)
+
+
+def test_stage_projections_refused_without_an_all_to_all():
+  from lctx.parallel.plan import AttentionDims, make_context_plan
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  dims = AttentionDims(num_q_heads=8, num_kv_heads=8, head_dim=16, v_head_dim=16)
+  with pytest.raises(ValueError, match=r"\[head-chunks\].*strategy 'none' has none"):
+    make_context_plan(mesh, dims, seq_len=64, batch_size=8, stage_projections=True)

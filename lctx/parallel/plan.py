@@ -227,9 +227,10 @@ def make_context_plan(
       )
     if load_balance:
       raise ValueError("[none-load-balance] strategy 'none' has no ring to balance")
-    if head_chunks is not None:
+    if head_chunks is not None or stage_projections:
       raise ValueError(
-        "[head-chunks] ulysses_head_chunks stages the ulysses all-to-all; strategy 'none' has none"
+        "[head-chunks] ulysses_head_chunks / ulysses_stage_projections stage the ulysses "
+        "all-to-all; strategy 'none' has none"
       )
   else:
     validate_context_parallel(

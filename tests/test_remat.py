@@ -214,6 +214,7 @@ def test_tpu_offload_moves_named_tensors_to_host_and_groups_divide_them():
   assert pieces.host_temp_size_in_bytes == inputs_bytes
 
 
+@pytest.mark.slow
 def test_tpu_group_inner_inputs_go_to_host():
   """Groups of 4 with remat_group_inner_inputs='offload': the host holds the groups'
   inputs plus the inner inputs of the group being recomputed, and the device

@@ -151,6 +151,11 @@ def test_presets_and_custom_choices():
     (dict(remat_policy="none", remat_group_size=2), "needs a remat policy"),
     (dict(remat_policy="full", remat_group_size=2, scan_layers=False), "scan_layers=True"),
     (dict(remat_policy="full", remat_group_size=0), "remat_group_size must be"),
+    (
+      dict(remat_policy="dots", remat_group_size=2, remat_group_inner_inputs="offload"),
+      "needs a per-tag remat policy",
+    ),
+    (dict(remat_policy="full", remat_group_inner_inputs="host"), "must be 'device' or 'offload'"),
     (dict(layer_input_pieces=3), r"layer_input_pieces must be a positive divisor of d_model"),
   ],
 )

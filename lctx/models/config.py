@@ -285,6 +285,15 @@ def _validate_remat_group(c: ModelConfig) -> None:
     raise ValueError(
       f"remat_group_inner_inputs must be 'device' or 'offload'; got {c.remat_group_inner_inputs!r}"
     )
+  if (
+    c.remat_group_inner_inputs == "offload"
+    and c.remat_group_size > 1
+    and (c.remat_policy in ("none", "dots", "dots_no_batch"))
+  ):
+    raise ValueError(
+      "remat_group_inner_inputs='offload' needs a per-tag remat policy (a preset or "
+      f"'custom'); remat_policy={c.remat_policy!r} has no tags to offload by"
+    )
   k, period = c.remat_group_size, len(c.attention_pattern) if c.attention_pattern else 1
   if not isinstance(k, int) or k < 1:
     raise ValueError(f"remat_group_size must be an int >= 1; got {k!r}")

@@ -186,13 +186,7 @@ def _init_stacked_blocks(c: ModelConfig, rng):
   dummy = jnp.zeros((1, 2, c.d_model), c.dtype)
   ids = jnp.ones((1, 2), jnp.int32)
   block = Block(
-    dataclasses.replace(
-      c,
-      remat_policy="none",
-      remat_custom=(),
-      remat_group_size=1,
-      remat_group_inner_inputs="device",
-    ),
+    dataclasses.replace(c, remat_policy="none", remat_custom=(), remat_group_size=1),
     reference_attention_fn,
   )
 

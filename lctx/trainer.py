@@ -8,7 +8,6 @@ shardings, and the train step is lowered and compiled once before the loop.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 
 import flax.linen as nn
@@ -395,23 +394,28 @@ class Trainer:
   # -- steps ------------------------------------------------------------------
   def loss_fn(self, params, batch):
     """Mean next-token loss over loss_mask; returns (total, aux)."""
-    hidden = self.model.apply(
+    hidden, final_norm = self.model.apply(
       {"params": params},
       batch["inputs"],
       batch["positions"],
       batch["segment_ids"],
-      return_hidden=True,
+      return_hidden="pre_norm",
     )
     unembed = models.unembed_matrix(params, self.model_cfg)
     loss_sum, z_sum, weight = self._cross_entropy(
-      hidden, unembed.astype(hidden.dtype), batch["targets"], batch["loss_mask"]
+      hidden, final_norm, unembed.astype(hidden.dtype), batch["targets"], batch["loss_mask"]
     )
     denom = jnp.maximum(weight, 1.0)
     return (loss_sum + z_sum) / denom, {"loss": loss_sum / denom, "tokens": weight}
 
-  def _cross_entropy(self, hidden, unembed, targets, loss_mask):
-    """(sum_loss, sum_z, sum_weights) of the chunked cross-entropy, each device
-    over its own tokens.
+  def _cross_entropy(self, hidden, final_norm, unembed, targets, loss_mask):
+    """(sum_loss, sum_z, sum_weights) of the chunked cross-entropy of
+    final_norm(hidden), each device over its own tokens.
+
+    The final norm runs inside the loss chunks (chunked_cross_entropy's
+    prologue): applied to the whole sequence, its float32 cotangent was one
+    [T, D] f32 value at the top of the backward pass (8 GiB per device at
+    Llama-8B, 524,288 tokens per device).
 
     Under plain SPMD the chunks of the flattened global tokens each lay on one
     device, and XLA ran every chunk on all devices with d_model split and the
@@ -422,28 +426,32 @@ class Trainer:
     sums and the unembedding's gradient cross devices. With the tensor axis in
     use (vocab-sharded logits) the plain SPMD path stays.
     """
-    fn = functools.partial(
-      chunked_cross_entropy, chunk_size=self.cfg.loss_chunk_size, z_loss=self.cfg.z_loss
-    )
+
+    # norm: a pytree (lctx.models.layers.RMSNormFn), so it crosses the shard_map.
+    def fn(h, u, t, w, norm):
+      return chunked_cross_entropy(
+        h, u, t, w, chunk_size=self.cfg.loss_chunk_size, z_loss=self.cfg.z_loss, prologue=norm
+      )
+
     shape = mesh_lib.mesh_shape(self.mesh)
     axes = tuple(a for a in (*mesh_lib.BATCH_AXES, *mesh_lib.SEQ_AXES) if shape.get(a, 1) > 1)
     if not axes or shape.get("tensor", 1) > 1:
-      return fn(hidden, unembed, targets, loss_mask)
+      return fn(hidden, unembed, targets, loss_mask, final_norm)
     batch_axes = tuple(a for a in mesh_lib.BATCH_AXES if a in axes) or None
     seq_axes = tuple(a for a in mesh_lib.SEQ_AXES if a in axes) or None
     tokens = P(batch_axes, seq_axes)
 
-    def local(h, u, t, w):
-      return tuple(jax.lax.psum(x, axes) for x in fn(h, u, t, w))
+    def local(h, u, t, w, norm):
+      return tuple(jax.lax.psum(x, axes) for x in fn(h, u, t, w, norm))
 
     return jax.shard_map(
       local,
       mesh=self.mesh,
-      in_specs=(P(batch_axes, seq_axes, None), P(None, None), tokens, tokens),
+      in_specs=(P(batch_axes, seq_axes, None), P(None, None), tokens, tokens, P()),
       out_specs=(P(), P(), P()),
       axis_names=set(axes),
       check_vma=False,
-    )(hidden, unembed, targets, loss_mask)
+    )(hidden, unembed, targets, loss_mask, final_norm)
 
   def _train_step_impl(self, state, batch):
     # Offloaded parts (TrainConfig.offload_*) come to the device where used.

@@ -70,6 +70,33 @@ def test_chunked_ce_bf16():
     np.testing.assert_allclose(a.astype(jnp.float32), b.astype(jnp.float32), rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 7, 16])
+def test_chunked_ce_prologue_matches_reference_on_the_prologue_output(chunk_size):
+  """A per-token prologue with a parameter (an RMSNorm, as the trainer's final
+  norm): values and gradients for hidden, unembed and the parameter equal the
+  reference loss of prologue(hidden)."""
+  from lctx.models.layers import rms_norm
+
+  h, u, tg, m = _ce_inputs()
+  scale = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(5), (h.shape[-1],))
+
+  def chunked(h, u, m, tg, scale):
+    pro = lambda x: rms_norm(x, scale, 1e-5)  # noqa: E731
+    s, z, w = chunked_cross_entropy(h, u, tg, m, chunk_size=chunk_size, z_loss=1e-2, prologue=pro)
+    return (s + z) / w
+
+  def reference(h, u, m, tg, scale):
+    s, z, w = reference_cross_entropy(rms_norm(h, scale, 1e-5), u, tg, m, z_loss=1e-2)
+    return (s + z) / w
+
+  np.testing.assert_allclose(chunked(h, u, m, tg, scale), reference(h, u, m, tg, scale), rtol=1e-5)
+  gc = jax.grad(chunked, argnums=(0, 1, 4))(h, u, m, tg, scale)
+  gr = jax.grad(reference, argnums=(0, 1, 4))(h, u, m, tg, scale)
+  for a, b in zip(gc, gr):
+    assert float(jnp.abs(b).max()) > 0
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_chunked_ce_never_holds_full_logits():
   """The compiled backward's temp memory stays below one [tokens, E] f32 buffer."""
   b, t, d, e = 1, 2048, 32, 4096

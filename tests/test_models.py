@@ -84,6 +84,10 @@ def test_matches_reference_forward(name, overrides):
   )
   assert jax.tree.structure(init_hidden) == jax.tree.structure(params)
   np.testing.assert_allclose(hidden @ unembed_matrix(params, config), logits, rtol=1e-5, atol=1e-5)
+  pre, final_norm = model.apply(params, inputs, pos, seg, return_hidden="pre_norm")
+  np.testing.assert_allclose(final_norm(pre), hidden, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="return_hidden"):
+    model.apply(params, inputs, pos, seg, return_hidden="logits")
 
 
 def test_reference_attention_fn_matches_kernels_reference():

@@ -270,8 +270,9 @@ def test_loss_runs_on_each_devices_own_tokens():
     dev_batch = trainer.device_batch(batch)
     (loss, aux), grads = step(state["params"], dev_batch)
     hlo = step.lower(state["params"], dev_batch).compile().as_text()
-    trainer._cross_entropy = lambda h, u, t, w: chunked_cross_entropy(  # pylint: disable=protected-access
-      h, u, t, w, chunk_size=16, z_loss=1e-3
+    # The reference: plain SPMD, the final norm applied to the whole sequence first.
+    trainer._cross_entropy = lambda h, norm, u, t, w: chunked_cross_entropy(  # pylint: disable=protected-access
+      norm(h), u, t, w, chunk_size=16, z_loss=1e-3
     )
     (want, want_aux), want_grads = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))(
       state["params"], dev_batch

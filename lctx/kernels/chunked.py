@@ -148,12 +148,12 @@ def _chunk_logits(h_c, unembed):
   )
 
 
-def _ce_forward(h_chunks, unembed, t_chunks):
+def _ce_forward(pro, h_chunks, unembed, t_chunks, pro_consts):
   """Per-token lse and target logit, `[n, c]` each, one chunk of logits at a time."""
 
   def body(_, xs):
     h_c, t_c = xs
-    logits = _chunk_logits(h_c, unembed)
+    logits = _chunk_logits(pro(h_c, *pro_consts), unembed)
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
     return None, (lse, tgt)
@@ -162,26 +162,31 @@ def _ce_forward(h_chunks, unembed, t_chunks):
   return lse, tgt
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ce_sums(h_chunks, unembed, t_chunks, w_chunks, z_loss):
-  lse, tgt = _ce_forward(h_chunks, unembed, t_chunks)
-  return jnp.sum((lse - tgt) * w_chunks), z_loss * jnp.sum(jnp.square(lse) * w_chunks)
+def _identity(h_c):
+  return h_c
 
 
-def _ce_sums_fwd(h_chunks, unembed, t_chunks, w_chunks, z_loss):
-  lse, tgt = _ce_forward(h_chunks, unembed, t_chunks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _ce_sums(pro, h_chunks, unembed, t_chunks, w_chunks, z_loss, *pro_consts):
+  return _ce_sums_fwd(pro, h_chunks, unembed, t_chunks, w_chunks, z_loss, *pro_consts)[0]
+
+
+def _ce_sums_fwd(pro, h_chunks, unembed, t_chunks, w_chunks, z_loss, *pro_consts):
+  lse, tgt = _ce_forward(pro, h_chunks, unembed, t_chunks, pro_consts)
   out = (jnp.sum((lse - tgt) * w_chunks), z_loss * jnp.sum(jnp.square(lse) * w_chunks))
   # Residuals are O(tokens): inputs plus per-token lse and target logit.
-  return out, (h_chunks, unembed, t_chunks, w_chunks, lse, tgt)
+  return out, (h_chunks, unembed, t_chunks, w_chunks, lse, tgt, pro_consts)
 
 
-def _ce_sums_bwd(z_loss, res, g):
-  h_chunks, unembed, t_chunks, w_chunks, lse, tgt = res
+def _ce_sums_bwd(pro, z_loss, res, g):
+  h_chunks, unembed, t_chunks, w_chunks, lse, tgt, pro_consts = res
   g_loss, g_z = g
   e = unembed.shape[1]
 
-  def body(d_unembed, xs):
-    h_c, t_c, w_c, lse_c = xs
+  def body(carry, xs):
+    d_unembed, d_consts = carry
+    h_in, t_c, w_c, lse_c = xs
+    h_c, pro_vjp = jax.vjp(pro, h_in, *pro_consts)  # the prologue, recomputed
     logits = _chunk_logits(h_c, unembed)  # recomputed, [c, E]
     p = jnp.exp(logits - lse_c[:, None])
     # d(lse - tgt)/dlogits = p - onehot; d(lse^2)/dlogits = 2 lse p.
@@ -204,28 +209,37 @@ def _ce_sums_bwd(z_loss, res, g):
       preferred_element_type=jnp.float32,
       precision=jax.lax.Precision.HIGHEST,
     )
-    return d_unembed, d_h.astype(h_c.dtype)
+    d_in, *d_cs = pro_vjp(d_h.astype(h_c.dtype))
+    d_consts = [a + d.astype(a.dtype) for a, d in zip(d_consts, d_cs)]
+    return (d_unembed, d_consts), d_in.astype(h_in.dtype)
 
-  d_unembed0 = jnp.zeros(unembed.shape, jnp.float32)
-  d_unembed, d_h = jax.lax.scan(body, d_unembed0, (h_chunks, t_chunks, w_chunks, lse))
+  init = (jnp.zeros(unembed.shape, jnp.float32), [jnp.zeros_like(a) for a in pro_consts])
+  (d_unembed, d_consts), d_h = jax.lax.scan(body, init, (h_chunks, t_chunks, w_chunks, lse))
   d_w = g_loss * (lse - tgt) + g_z * z_loss * jnp.square(lse)
-  return d_h, d_unembed.astype(unembed.dtype), None, d_w.astype(w_chunks.dtype)
+  return (d_h, d_unembed.astype(unembed.dtype), None, d_w.astype(w_chunks.dtype), *d_consts)
 
 
 _ce_sums.defvjp(_ce_sums_fwd, _ce_sums_bwd)
 
 
-def chunked_cross_entropy(hidden, unembed, targets, loss_mask, *, chunk_size, z_loss: float = 0.0):
+def chunked_cross_entropy(
+  hidden, unembed, targets, loss_mask, *, chunk_size, z_loss: float = 0.0, prologue=None
+):
   """Softmax cross-entropy over `hidden @ unembed`, never holding `[B*T, E]` logits.
 
   Args:
-    hidden: `[B, T, D]` final hidden states (after the final norm).
+    hidden: `[B, T, D]` final hidden states (after the final norm, or before it
+      with the norm as `prologue`).
     unembed: `[D, E]` output projection.
     targets: int32 `[B, T]`.
     loss_mask: `[B, T]` token weights (0 drops a token).
     chunk_size: tokens per chunk (over the flattened B*T tokens); None or >= B*T
       means one chunk.
     z_loss: coefficient of the z-loss `z_loss * lse^2` (PaLM); 0 disables it.
+    prologue: optional pure per-token function `[c, D] -> [c, D]` applied to each
+      chunk of hidden before the unembedding (the final norm: its float32
+      values and cotangent then exist for one chunk). It may close over
+      parameters; their gradients flow. It must not mix tokens.
 
   Returns:
     float32 sums `(sum_loss, sum_z_loss, sum_weights)`: sum_loss = sum_t w_t
@@ -253,11 +267,16 @@ def chunked_cross_entropy(hidden, unembed, targets, loss_mask, *, chunk_size, z_
     h = jnp.pad(h, [(0, pad), (0, 0)])
     tg = jnp.pad(tg, [(0, pad)])
     w = jnp.pad(w, [(0, pad)])
+  pro, consts = jax.closure_convert(
+    prologue or _identity, jax.ShapeDtypeStruct((c, d), hidden.dtype)
+  )
   sum_loss, sum_z = _ce_sums(
+    pro,
     h.reshape(n_chunks, c, d),
     unembed,
     tg.reshape(n_chunks, c),
     w.reshape(n_chunks, c),
     float(z_loss),
+    *consts,
   )
   return sum_loss, sum_z, jnp.sum(w)

@@ -6,6 +6,7 @@ H head dim, D d_model, F MLP hidden, E vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -45,12 +46,32 @@ class RMSNorm(nn.Module):
   axis_name: str = "embed"
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, *, as_function: bool = False):
+    """The normalised x, or with as_function the norm as a pure per-token
+    function (closed over the scale), for a consumer that applies it to one
+    sequence chunk at a time (chunked MLP, chunked loss): its float32 values
+    and cotangents then exist for one chunk, not for all T tokens."""
     scale = param(
       self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
     )
-    y = rms_norm(x, scale.astype(jnp.float32), self.eps)
-    return y.astype(self.dtype)
+    fn = RMSNormFn(scale, self.eps, jnp.dtype(self.dtype).name)
+    return fn if as_function else fn(x)
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass, data_fields=["scale"], meta_fields=["eps", "dtype"]
+)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: scale may be a tracer
+class RMSNormFn:
+  """An RMSNorm with its scale: a pure per-token function and a pytree (its leaf
+  is the scale), so it can be passed into a shard_map or a custom VJP."""
+
+  scale: jax.Array
+  eps: float
+  dtype: str
+
+  def __call__(self, x):
+    return rms_norm(x, self.scale.astype(jnp.float32), self.eps).astype(self.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -126,8 +147,9 @@ class MLP(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x):
-    """x `[B, T, D]` (compute dtype) -> `[B, T, D]`."""
+  def __call__(self, x, pre=None):
+    """x `[B, T, D]` (compute dtype) -> `[B, T, D]`; pre: an optional per-token
+    function applied to x first, inside the chunks (the layer's RMSNorm)."""
     c = self.config
     d, f = c.d_model, c.mlp_dim
     w_gate = param(self, "wi_gate", fan_in_init([0], [1]), (d, f), ("embed", "mlp"), c.param_dtype)
@@ -136,6 +158,8 @@ class MLP(nn.Module):
     w_gate, w_up, w_out = (w.astype(c.dtype) for w in (w_gate, w_up, w_out))
 
     def mlp(xc):  # [B, c, D] -> [B, c, D]; pure in xc, so it can be chunked.
+      if pre is not None:
+        xc = pre(xc)
       # [B, T, D] einsums, not token-major [B*T, D] matmuls: when a device holds
       # several rows of a sequence-sharded batch, its tokens are not one block of
       # the flattened B*T axis, and XLA replicated the flattened tokens over the

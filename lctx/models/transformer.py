@@ -64,8 +64,11 @@ class DecoderLayer(nn.Module):
       h, segment_ids, positions
     )
     x = constrain(x, _ACT)
-    h = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="mlp_norm")(x)
-    return constrain(x + MLP(c, name="mlp")(h), _ACT)
+    # The norm runs inside the MLP's sequence chunks (one chunk's float32 norm
+    # and its cotangent at a time; at Llama-8B with 524,288 tokens per device
+    # the whole-sequence f32 value is 8 GiB).
+    norm = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="mlp_norm")(x, as_function=True)
+    return constrain(x + MLP(c, name="mlp")(x, pre=norm), _ACT)
 
 
 class Block(nn.Module):
@@ -209,12 +212,18 @@ class Transformer(nn.Module):
   attention_fn: Callable = reference_attention_fn
 
   @nn.compact
-  def __call__(self, inputs, positions, segment_ids, *, return_hidden: bool = False):
+  def __call__(self, inputs, positions, segment_ids, *, return_hidden: bool | str = False):
     """inputs, positions, segment_ids: int32 `[B, T]` (segment 0 = padding).
 
-    Returns logits `[B, T, E]` float32, or with return_hidden the final-normed
-    hidden `[B, T, D]` in the compute dtype (multiply by `unembed_matrix`).
+    Returns logits `[B, T, E]` float32, or with return_hidden=True the
+    final-normed hidden `[B, T, D]` in the compute dtype (multiply by
+    `unembed_matrix`), or with return_hidden='pre_norm' the pair (hidden before
+    the final norm, the final norm as a pure per-token function): a chunked loss
+    applies it chunk by chunk, so the norm's float32 values and cotangent never
+    span the sequence.
     """
+    if return_hidden not in (False, True, "pre_norm"):
+      raise ValueError(f"return_hidden must be False, True or 'pre_norm'; got {return_hidden!r}")
     c = self.config
     embedding = param(
       self,
@@ -243,9 +252,12 @@ class Transformer(nn.Module):
       for r in range(c.num_repeats):
         x, _ = Block(c, self.attention_fn, name=f"layers_{r}")(x, segment_ids, positions)
 
-    x = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="final_norm")(x)
+    final_norm = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="final_norm")
     # Created even for return_hidden, so init with either output has every param.
     w = embedding.T if c.tie_embeddings else Unembed(c, name="unembed")()  # [D, E]
+    if return_hidden == "pre_norm":
+      return x, final_norm(x, as_function=True)
+    x = final_norm(x)
     if return_hidden:
       return x
     logits = jnp.einsum("BTD,DE->BTE", x, w.astype(c.dtype))

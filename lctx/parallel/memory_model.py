@@ -36,7 +36,7 @@ What the step holds, per device (lctx/trainer.py, lctx/models/transformer.py):
   - the loss (lctx/trainer.py `_cross_entropy`): each device scans its own
     tokens, TrainConfig.loss_chunk_size per chunk, with the whole unembedding
     (`loss_bytes`): one chunk of f32 logits and their gradient, the gathered
-    table and its f32 gradient accumulator, the f32 cotangent of the local
+    table and its f32 gradient accumulator, the cotangent of the local
     hidden states; with the tensor axis in use, chunks of the global tokens.
     Added to the layer's backward, not overlapped with it (memory_analysis'
     total sums the program's buffer slots, and the compiles keep the loss's
@@ -384,11 +384,11 @@ class Breakdown:
 # 256-4096; both kernels) and the four flagship gin files' Llama-3.1-8B
 # compiles (splash, v5p:4x4x4 / tpu7x:4x4x4), libtpu 0.0.42.1, 2026-12-01,
 # after the per-device loss. The fit is within -17.4%..+16.7% of the small
-# compiles (mean |error| 6.6%). Against the flagships as compiled after the
-# norms moved into the loss / MLP chunks (not refitted): ring_v5p +7.5%,
-# ulysses_v5p -6.2%, allgather_v5p -0.9%, usp_ironwood -12.0%;
-# gin/long_v5p.gin (remat groups of 2, offloaded inputs; not fitted) -1.7%
-# (83.12 vs 84.57 GiB).
+# compiles (mean |error| 6.6%). Not refitted since the norms moved into the
+# loss / MLP chunks (the loss cotangent term then went from f32 to bf16):
+# against the flagships' compiles of that code ring_v5p +6.0%, ulysses_v5p
+# -7.7%, allgather_v5p -2.1%, usp_ironwood -13.1%; gin/long_v5p.gin (remat
+# groups of 2, offloaded inputs; not fitted) -6.4% (79.12 vs 84.57 GiB).
 # tests/test_planner.py's slow held-out set (d_model 1024 at 32K-64K): 15 of
 # 18 within 15% (its marks name the three misses). Coefficients the fit puts
 # near 0 (usp's all-to-all layouts) are buffers that share slots with larger
@@ -548,12 +548,10 @@ def loss_bytes(dims: ModelDims, setup: Setup, tokens: int, co: Mapping[str, floa
   the whole unembedding: a bf16 copy of the gathered [D, vocab] table and the
   f32 accumulator of its gradient (`loss_table_bytes_per_elem` per element),
   one chunk's logits and their gradient (`loss_bytes_per_logit`), and the
-  cotangent of the local hidden states, counted as one f32 [tokens, D] (read
-  off the long_v5p compile's largest buffers when the final norm's f32
-  cotangent spanned the sequence; since the norm runs inside the loss chunks
-  the scan's stacked output is bf16, but the f32 width still matches the
-  full-size compiles better: long_v5p -1.7% against -6.4% at the bf16 width,
-  the four flagship files within 15% either way).
+  cotangent of the local hidden states: the chunk scan's stacked output, one
+  [tokens, D] in the compute dtype (f32 until the final norm moved into the
+  loss chunks: the norm's f32 cotangent was the long_v5p compile's largest
+  buffer).
   Plain SPMD (tensor axis in use, or one device): chunks of the flattened
   global tokens, each device a whole chunk's logits (vocab / tensor wide) and
   its f32 unembedding shard.
@@ -563,7 +561,7 @@ def loss_bytes(dims: ModelDims, setup: Setup, tokens: int, co: Mapping[str, floa
   if per_device_loss(setup):
     rows = tokens if chunk is None else min(chunk, tokens)
     table = dims.d_model * dims.vocab_size * co["loss_table_bytes_per_elem"]
-    return rows * e * co["loss_bytes_per_logit"] + table + tokens * dims.d_model * F32
+    return rows * e * co["loss_bytes_per_logit"] + table + tokens * dims.d_model * setup.dtype_bytes
   rows = tokens if chunk is None or chunk >= setup.batch_size * setup.seq_len else chunk
   return rows * e * co["loss_bytes_per_logit"] + e * dims.d_model / setup.param_shards * F32
 

@@ -95,10 +95,19 @@ def test_token_order_is_the_zigzag_order():
   assert np.array_equal(splash.TokenOrder(16).natural(np.arange(16)), np.arange(16))
 
 
-def test_differentiable_call_with_lse_matches_reference():
+# SMEM budgets for the block maps: the real one (one kernel call per kv run here),
+# and one so small that every call is cut into 128-token (q piece, kv piece) calls.
+MAP_BUDGETS = {"one_call": splash.MAX_BLOCK_MAP_BYTES, "tiled": 2}
+
+
+@pytest.mark.parametrize("budget", MAP_BUDGETS)
+def test_differentiable_call_with_lse_matches_reference(budget, monkeypatch):
   """flash_attention(backend='splash') on CPU (interpreted): causal sliding window,
   GQA, packed rows with padding, explicit positions through a natural-order layout;
-  out, lse and the q/k/v gradients of a loss on both (lse cotangents)."""
+  out, lse and the q/k/v gradients of a loss on both (lse cotangents). 'tiled':
+  the same call as a loop of piece calls (one of them fully masked), as calls
+  whose block maps outgrow SMEM run."""
+  monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", MAP_BUDGETS[budget])
   b, t = 2, 256
   q, k, v = _qkv("gqa", b, t)
   seg, pos = _packed(b, t)
@@ -110,6 +119,8 @@ def test_differentiable_call_with_lse_matches_reference():
       q, k, v, backend="splash", block_q=128, block_kv=128, layout=layout, **kw
     )
 
+  cfg = splash._config(q, k, True, 100, None, (128, 128, None, None), layout, True)
+  assert splash._tiles(cfg, t, t) == ((t, t) if budget == "one_call" else (128, 128))
   (out, lse), vjp = jax.vjp(jax.jit(fn), q, k, v)
   (ro, rl), rvjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, **kw), q, k, v)
   _close(out, ro, 2e-5, "out")
@@ -121,12 +132,15 @@ def test_differentiable_call_with_lse_matches_reference():
     _close(a, r, 5e-5, "d" + name)
 
 
-def test_ring_block_api_on_a_visiting_zigzag_block():
+@pytest.mark.parametrize("budget", MAP_BUDGETS)
+def test_ring_block_api_on_a_visiting_zigzag_block(budget, monkeypatch):
   """The ring's block steps on splash: device 1 of a zigzag ring of 2 holds chunks
   1 and 2 of 4 (128 tokens each); it sees its own block and the visiting block of
-  device 0 (chunks 0 and 3: two kernel runs). Per-block (out, lse) merged equal the reference over both blocks; the
-  block backward against the merged (global) out/lse, summed over blocks, equals
-  the reference gradients."""
+  device 0 (chunks 0 and 3: two kernel runs). Per-block (out, lse) merged equal the
+  reference over both blocks; the block backward against the merged (global)
+  out/lse, summed over blocks, equals the reference gradients. 'tiled': each run's
+  256 q rows in two pieces (q longer than the kv run)."""
+  monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", MAP_BUDGETS[budget])
   order = splash.TokenOrder(512, 2)
   b, t = 2, 256
   q, k, v = _qkv("mqa", b, 512)
@@ -308,6 +322,14 @@ def _strategy_case(strategy, mesh_name, heads, t, lb, window=None, causal=True):
     _close(a, r, 5e-5, "d" + name)
 
 
+def test_ulysses_on_splash_in_pieces(monkeypatch):
+  """Ulysses runs splash on the whole sequence per device, whose block maps are the
+  first to outgrow SMEM (1M tokens): the piece loops inside shard_map, over tensor
+  x context, with packed rows, against the reference (values and gradients)."""
+  monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", MAP_BUDGETS["tiled"])
+  _strategy_case("ulysses", "t2c4", "mha", 512, False)
+
+
 def test_ring_train_path_on_splash():
   """The train-step plug-in on a batch already in zigzag order, sharded over data:
   ring over 4 devices, each hop cut into 2 x 2 pieces, GQA, packed rows, a window."""
@@ -475,3 +497,50 @@ def test_splash_compiles_for_tpu_under_highest_precision(dtype):
     hlo = jax.jit(grads).lower(arg(4), arg(2), arg(2)).compile().as_text()
   assert compile_lib.attention_backend_of(hlo) == "splash"
   assert hlo.count('custom_call_target="tpu_custom_call"') == 3
+
+
+def _splash_grads_for_tpu(t: int, heads: int = 1):
+  """Compiles the gradient of one splash call on `t` tokens for one v5p device."""
+  mesh = jax.sharding.Mesh(compile_lib.topology_devices("v5p:2x2x1")[:1], ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  x = jax.ShapeDtypeStruct((1, t, heads, 128), jnp.bfloat16, sharding=sharding)
+
+  def loss(q, k, v):
+    out = flash.flash_attention(q, k, v, backend="splash", platform="tpu", block_q=1024)
+    return out.astype(jnp.float32).sum()
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+
+
+def test_tiled_splash_compiles_for_tpu(monkeypatch):
+  """Piece calls inside their loops compile for TPU (Mosaic inside while loops):
+  4,096 tokens cut into 1,024-token pieces by a small budget."""
+  monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", 4)
+  hlo = _splash_grads_for_tpu(4096).as_text()
+  assert compile_lib.attention_backend_of(hlo) == "splash"
+  assert "while" in hlo
+
+
+@pytest.mark.slow
+def test_a_call_beyond_smem_compiles_for_tpu_in_pieces(monkeypatch):
+  """655,360 tokens in one call (ulysses' whole sequence per device): 640 x 640
+  blocks of maps, 1.17 MiB, which libtpu refuses ('Ran out of memory in memory
+  space smem'); cut into pieces the call compiles (about 100 s on 2 cores)."""
+  t = 655_360
+  cfg = splash._config(
+    jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16),
+    True,
+    None,
+    None,
+    (1024, 1024, None, None),
+    None,
+    False,
+  )
+  assert splash._block_map_bytes(cfg, t, t) > 1 << 20
+  assert splash._tiles(cfg, t, t) == (t // 2, t)
+  hlo = _splash_grads_for_tpu(t).as_text()
+  assert compile_lib.attention_backend_of(hlo) == "splash"
+  monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", 1 << 30)  # one call: refused
+  with pytest.raises(Exception, match="smem"):
+    _splash_grads_for_tpu(t)

@@ -38,6 +38,13 @@ ring block of two chunks: two kernel calls merged through their lse); a kv
 holding the whole zigzag sequence (all_gather) is put back in natural order
 once (a copy of K/V) and runs as one call.
 
+Long calls are tiled: the block maps are scalar-prefetched whole into the
+core's 1 MiB SMEM, so a call whose maps would outgrow `MAX_BLOCK_MAP_BYTES`
+(ulysses at 1M tokens per device: 1024 x 1024 blocks, 3 MiB) runs as a loop of
+(q piece, kv piece) kernel calls, each piece's map within the budget, merged
+through their lse (forward) or summed (backward). Calls within the budget run
+as one kernel call, as before.
+
 Blocks: multiples of 128 (TPU lanes) that divide the lengths, at most
 `MAX_BLOCK`; the kv compute block at most `MAX_COMPUTE_BLOCK` (VMEM: v5p
 compiles of 2048 x 2048 f32 score blocks exceed the 16 MiB scoped VMEM;
@@ -61,6 +68,11 @@ from lctx.kernels.shard_typing import cotangent_like, varying_like
 LANES = 128
 MAX_BLOCK = 1024
 MAX_COMPUTE_BLOCK = 512
+# Bytes of block maps (data_next + block_mask) one kernel call may prefetch into
+# SMEM (1 MiB per core). Measured on v5p compile-only devices, one call's
+# forward and backward at 1024-token blocks: 512 x 512 blocks (768 KiB) compile;
+# 640 x 640 (1.17 MiB) run out of SMEM.
+MAX_BLOCK_MAP_BYTES = 768 << 10
 _VALID_LSE = -1e29  # any real lse is far above; the kernel gives ~-2.4e38 or -inf for no key
 
 
@@ -480,6 +492,119 @@ def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
   return tuple(x.astype(jnp.float32) for x in g)
 
 
+def _map_bytes(nq: int, nk: int) -> int:
+  """SMEM bytes of one call's block maps: data_next in `_small_int`'s type, block_mask int8."""
+  bound = max(nq, nk)
+  index_bytes = 1 if bound <= 127 else 2 if bound <= 32767 else 4
+  return nq * nk * (index_bytes + 1)
+
+
+def _block_map_bytes(cfg: _Cfg, t: int, s: int) -> int:
+  """The largest block-map footprint of the forward, dkv and dq calls on (t, s)."""
+  z = _sizes(cfg, t, s)
+  pairs = ((z.block_q, z.block_kv), (z.block_q_dkv, z.block_kv_dkv), (z.block_q_dq, z.block_kv_dq))
+  return max(_map_bytes(t // bq, s // bk) for bq, bk in pairs)
+
+
+def _shorter_piece(n: int, piece: int) -> int:
+  """The longest piece shorter than `piece` that cuts n evenly into multiples of
+  LANES (`piece` itself if there is none)."""
+  for m in range(n // piece + 1, n // LANES + 1):
+    if n % m == 0 and (n // m) % LANES == 0:
+      return n // m
+  return piece
+
+
+def _tiles(cfg: _Cfg, t: int, s: int) -> tuple[int, int]:
+  """(q piece, kv piece) lengths whose block maps fit MAX_BLOCK_MAP_BYTES: (t, s)
+  when the whole call fits, else shorter pieces, the longer side cut first."""
+  tq, ts = t, s
+  while _block_map_bytes(cfg, tq, ts) > MAX_BLOCK_MAP_BYTES:
+    shorter_q, shorter_s = _shorter_piece(t, tq), _shorter_piece(s, ts)
+    if shorter_q != tq and (tq >= ts or shorter_s == ts):
+      tq = shorter_q
+    elif shorter_s != ts:
+      ts = shorter_s
+    else:
+      break  # single-lane pieces: nothing shorter
+  return tq, ts
+
+
+def _piece(x, i, size: int, axis: int):
+  return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
+
+
+def _forward_tiled(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq):
+  """`_forward_run` on one kv run, as a loop of pieces when its block maps outgrow
+  SMEM: for each q piece, the kv pieces merged through their lse."""
+  t, s = q.shape[2], k.shape[2]
+  tq, ts = _tiles(cfg, t, s)
+  if (tq, ts) == (t, s):
+    return _forward_run(cfg, q, k, v, q_seg, kv_seg, qseq)
+  b, n, vd = q.shape[0], q.shape[1], v.shape[3]
+  refs = (q, k, v, q_seg, kv_seg, qseq)
+
+  def q_piece(i, acc):
+    qi, qsi, qseqi = _piece(q, i, tq, 2), _piece(q_seg, i, tq, 1), _piece(qseq, i, tq, 0)
+
+    def kv_piece(j, acc_i):
+      kj, vj, sj = _piece(k, j, ts, 2), _piece(v, j, ts, 2), _piece(kv_seg, j, ts, 1)
+      o, l = _forward_run(cfg, qi, kj, vj, qsi, sj, (qseqi - j * ts).astype(jnp.int32))
+      return _merge(*acc_i, o, l)
+
+    init = (jnp.zeros((b, n, tq, vd), jnp.float32), jnp.full((b, n, tq), MASKED_LSE, jnp.float32))
+    o, l = jax.lax.fori_loop(0, s // ts, kv_piece, tuple(varying_like(x, *refs) for x in init))
+    out, lse = acc
+    out = jax.lax.dynamic_update_slice_in_dim(out, o, i * tq, axis=2)
+    return out, jax.lax.dynamic_update_slice_in_dim(lse, l, i * tq, axis=2)
+
+  init = (jnp.zeros((b, n, t, vd), jnp.float32), jnp.full((b, n, t), MASKED_LSE, jnp.float32))
+  out, lse = jax.lax.fori_loop(0, t // tq, q_piece, tuple(varying_like(x, *refs) for x in init))
+  # Rows that saw no key in any piece: lse drifted by log 2 per merge; the contract's value.
+  return out, jnp.where(lse > _VALID_LSE, lse, MASKED_LSE)
+
+
+def _backward_tiled(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
+  """`_backward_run` on one kv run, as a loop of pieces when its block maps outgrow
+  SMEM: for each kv piece, its dk/dv summed over the q pieces, dq accumulated."""
+  t, s = q.shape[2], k.shape[2]
+  tq, ts = _tiles(cfg, t, s)
+  if (tq, ts) == (t, s):
+    return _backward_run(cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di)
+  refs = (q, k, v, q_seg, kv_seg, qseq, lse, do, di)
+
+  def kv_piece(j, acc):
+    kj, vj, sj = _piece(k, j, ts, 2), _piece(v, j, ts, 2), _piece(kv_seg, j, ts, 1)
+
+    def q_piece(i, acc_j):
+      dq, dkj, dvj = acc_j
+      dq_i, dk_i, dv_i = _backward_run(
+        cfg,
+        _piece(q, i, tq, 2),
+        kj,
+        vj,
+        _piece(q_seg, i, tq, 1),
+        sj,
+        (_piece(qseq, i, tq, 0) - j * ts).astype(jnp.int32),
+        _piece(lse, i, tq, 2),
+        _piece(do, i, tq, 2),
+        _piece(di, i, tq, 2),
+      )
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, _piece(dq, i, tq, 2) + dq_i, i * tq, axis=2)
+      return dq, dkj + dk_i, dvj + dv_i
+
+    dq, dk, dv = acc
+    init_j = (dq, jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
+    dq, dkj, dvj = jax.lax.fori_loop(
+      0, t // tq, q_piece, tuple(varying_like(x, *refs) for x in init_j)
+    )
+    dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * ts, axis=2)
+    return dq, dk, jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * ts, axis=2)
+
+  init = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+  return jax.lax.fori_loop(0, s // ts, kv_piece, tuple(varying_like(x, *refs) for x in init))
+
+
 def _forward(cfg: _Cfg, q, k, v, q_seg, kv_seg, q_start, kv_start):
   """q `[B, N, T, H]` (already scaled), k `[B, K, S, H]`, v `[B, K, S, V]`, segment
   ids `[B, T]` / `[B, S]` or None. Returns out `[B, N, T, V]` f32 and lse `[B, N, T]`
@@ -487,7 +612,7 @@ def _forward(cfg: _Cfg, q, k, v, q_seg, kv_seg, q_start, kv_start):
   qnat = _q_natural(cfg, q_start, q.shape[2])
   out = lse = None
   for kr, vr, sr, start in _runs(cfg, k, v, kv_seg, kv_start):
-    o, l = _forward_run(cfg, q, kr, vr, q_seg, sr, (qnat - start).astype(jnp.int32))
+    o, l = _forward_tiled(cfg, q, kr, vr, q_seg, sr, (qnat - start).astype(jnp.int32))
     out, lse = (o, l) if out is None else _merge(out, lse, o, l)
   return out, lse
 
@@ -504,7 +629,7 @@ def _backward(cfg: _Cfg, q, k, v, q_seg, kv_seg, q_start, kv_start, out, lse, do
   dq, dks, dvs = None, [], []
   for kr, vr, sr, start in _runs(cfg, k, v, kv_seg, kv_start):
     qseq = (qnat - start).astype(jnp.int32)
-    dq_r, dk_r, dv_r = _backward_run(cfg, q, kr, vr, q_seg, sr, qseq, lse, do, di)
+    dq_r, dk_r, dv_r = _backward_tiled(cfg, q, kr, vr, q_seg, sr, qseq, lse, do, di)
     dq = dq_r if dq is None else dq + dq_r
     dks.append(dk_r)
     dvs.append(dv_r)

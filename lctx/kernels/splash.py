@@ -39,7 +39,7 @@ holding the whole zigzag sequence (all_gather) is put back in natural order
 once (a copy of K/V) and runs as one call.
 
 Long calls are tiled: the block maps are scalar-prefetched whole into the
-core's 1 MiB SMEM, so a call whose maps would outgrow `MAX_BLOCK_MAP_BYTES`
+core's SMEM (1 MiB), so a call whose maps would outgrow `MAX_BLOCK_MAP_BYTES`
 (ulysses at 1M tokens per device: 1024 x 1024 blocks, 3 MiB) runs as a loop of
 (q piece, kv piece) kernel calls, each piece's map within the budget, merged
 through their lse (forward) or summed (backward). Calls within the budget run
@@ -69,9 +69,9 @@ LANES = 128
 MAX_BLOCK = 1024
 MAX_COMPUTE_BLOCK = 512
 # Bytes of block maps (data_next + block_mask) one kernel call may prefetch into
-# SMEM (1 MiB per core). Measured on v5p compile-only devices, one call's
-# forward and backward at 1024-token blocks: 512 x 512 blocks (768 KiB) compile;
-# 640 x 640 (1.17 MiB) run out of SMEM.
+# SMEM (1 MiB per core on v5p and TPU7x, libtpu 0.0.42.1). Measured on v5p
+# compile-only devices, one call's forward and backward at 1024-token blocks:
+# 512 x 512 blocks (768 KiB) compile; 640 x 640 (1.17 MiB) run out of SMEM.
 MAX_BLOCK_MAP_BYTES = 768 << 10
 _VALID_LSE = -1e29  # any real lse is far above; the kernel gives ~-2.4e38 or -inf for no key
 

@@ -308,6 +308,75 @@ def test_planner_is_within_15_percent_of_the_full_size_compiles(row):
   )
 
 
+def _bench_memory_script():
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  try:
+    import bench_memory  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  return bench_memory
+
+
+# scripts/bench_memory.py's matrix (Llama-3.1-8B, remat 'full', splash; the cell
+# meshes of its docstring): the cells the compiler compiled, with its
+# memory_analysis total per device in GiB (docs/benchmarks.md, libtpu 0.0.42.1,
+# 2026-12-01/02). Not fitted: the planner's coefficients predate them.
+MATRIX_CHECK = [
+  ("all_gather", "v5p:4x4x4", "1M", 25.1),
+  ("ring", "v5p:4x4x4", "1M", 16.9),
+  ("usp", "v5p:4x4x4", "1M", 16.9),
+  ("all_gather", "v5p:4x4x4", "4M", 76.6),
+  ("ring", "v5p:4x4x4", "4M", 32.6),
+  ("usp", "v5p:4x4x4", "4M", 34.1),
+  ("ring", "v5p:4x4x4", "16M", 110.0),
+  ("usp", "v5p:4x4x4", "16M", 114.0),
+  ("all_gather", "tpu7x:4x4x4", "1M", 18.4),
+  ("ring", "tpu7x:4x4x4", "1M", 17.3),
+  ("usp", "tpu7x:4x4x4", "1M", 17.3),
+  ("all_gather", "tpu7x:4x4x4", "4M", 57.9),
+  ("ring", "tpu7x:4x4x4", "4M", 24.7),
+  ("usp", "tpu7x:4x4x4", "4M", 24.7),
+  ("ring", "tpu7x:4x4x4", "16M", 51.3),
+  ("usp", "tpu7x:4x4x4", "16M", 53.3),
+]
+SHORT_SHARD_LOSS = pytest.mark.xfail(
+  strict=True,
+  reason="measured 2026-12-02: at 8,192 tokens per device (1M on 128 devices) the step's "
+  "peak is the loss phase, whose vocabulary-wide buffers (f32 [8192, 128256] logits, f32 "
+  "[128256, 4096] tables) do not shrink with the device count: compiled 17.3 GiB, the planner "
+  "reads 10.8 (-37.6%); its loss coefficients were fitted where the loss was never the peak",
+)
+ALL_GATHER_4M = pytest.mark.xfail(
+  strict=True,
+  reason="measured 2026-12-01: all_gather 4M on v5p compiles to 76.6 GiB, the planner "
+  "reads 64.3 (-16.0%)",
+)
+MATRIX_MISSES = {
+  ("ring", "tpu7x:4x4x4", "1M"): SHORT_SHARD_LOSS,
+  ("usp", "tpu7x:4x4x4", "1M"): SHORT_SHARD_LOSS,
+  ("all_gather", "v5p:4x4x4", "4M"): ALL_GATHER_4M,
+}
+
+
+@pytest.mark.parametrize(
+  "strategy,topology,length,compiled_gib",
+  [
+    pytest.param(*row, marks=MATRIX_MISSES.get(row[:3], ()), id="-".join(row[:3]))
+    for row in MATRIX_CHECK
+  ],
+)
+def test_planner_is_within_15_percent_of_the_bench_memory_matrix(
+  strategy, topology, length, compiled_gib
+):
+  """The planner's figure for a bench_memory cell, as the script computes it,
+  against the cell's compiled total."""
+  bench = _bench_memory_script()
+  exp = bench.experiment(bench.cell_params(strategy, topology, bench.LENGTHS[length]))
+  est = bench.planner_row(exp, topology)["planner_total_bytes"] / GiB
+  err = (est - compiled_gib) / compiled_gib
+  assert abs(err) <= 0.15, f"planner {est:.2f} vs compiled {compiled_gib:.2f} GiB ({err:+.1%})"
+
+
 # ----------------------------------------------------------------------------
 # The search and plan.json
 # ----------------------------------------------------------------------------

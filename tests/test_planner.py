@@ -318,11 +318,20 @@ def _bench_memory_script():
 
 
 # scripts/bench_memory.py's matrix (Llama-3.1-8B, remat 'full', splash; the cell
-# meshes of its docstring): the cells the compiler compiled, with its
-# memory_analysis total per device in GiB (docs/benchmarks.md, libtpu 0.0.42.1,
-# 2026-12-01/02). Not fitted: the planner's coefficients predate them.
+# meshes of its docstring), all 24 cells: the compiler's total per device in GiB
+# (memory_analysis, or for a compile that ran out of HBM the total its error
+# names), docs/benchmarks.md, libtpu 0.0.42.1, 2026-12-01/02. Not fitted: the
+# planner's coefficients predate them.
 MATRIX_CHECK = [
   ("all_gather", "v5p:4x4x4", "1M", 25.1),
+  ("ulysses", "v5p:4x4x4", "1M", 58.25),
+  ("ulysses", "v5p:4x4x4", "4M", 167.69),
+  ("all_gather", "v5p:4x4x4", "16M", 236.75),
+  ("ulysses", "v5p:4x4x4", "16M", 846.84),
+  ("ulysses", "tpu7x:4x4x4", "1M", 53.56),
+  ("ulysses", "tpu7x:4x4x4", "4M", 167.91),
+  ("all_gather", "tpu7x:4x4x4", "16M", 185.54),
+  ("ulysses", "tpu7x:4x4x4", "16M", 851.27),
   ("ring", "v5p:4x4x4", "1M", 16.9),
   ("usp", "v5p:4x4x4", "1M", 16.9),
   ("all_gather", "v5p:4x4x4", "4M", 76.6),
@@ -351,7 +360,15 @@ ALL_GATHER_4M = pytest.mark.xfail(
   reason="measured 2026-12-01: all_gather 4M on v5p compiles to 76.6 GiB, the planner "
   "reads 64.3 (-16.0%)",
 )
+ULYSSES_16M = pytest.mark.xfail(
+  strict=True,
+  reason="measured 2026-12-02: ulysses at 16M (16 million tokens per device in splash's "
+  "piece loops, 8 or 16 rows) needs 846.8 / 851.3 GiB by the compiler's out-of-memory "
+  "report; the planner reads 699.7 / 698.7 (-17.4% / -17.9%)",
+)
 MATRIX_MISSES = {
+  ("ulysses", "v5p:4x4x4", "16M"): ULYSSES_16M,
+  ("ulysses", "tpu7x:4x4x4", "16M"): ULYSSES_16M,
   ("ring", "tpu7x:4x4x4", "1M"): SHORT_SHARD_LOSS,
   ("usp", "tpu7x:4x4x4", "1M"): SHORT_SHARD_LOSS,
   ("all_gather", "v5p:4x4x4", "4M"): ALL_GATHER_4M,
@@ -369,7 +386,7 @@ def test_planner_is_within_15_percent_of_the_bench_memory_matrix(
   strategy, topology, length, compiled_gib
 ):
   """The planner's figure for a bench_memory cell, as the script computes it,
-  against the cell's compiled total."""
+  against the cell's compiled total: 19 of the 24 within 15%."""
   bench = _bench_memory_script()
   exp = bench.experiment(bench.cell_params(strategy, topology, bench.LENGTHS[length]))
   est = bench.planner_row(exp, topology)["planner_total_bytes"] / GiB

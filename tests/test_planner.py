@@ -7,6 +7,7 @@ scripts/bench_memory.py.
 """
 
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -283,13 +284,17 @@ def test_auto_sizes_attention_with_the_memory_model_and_the_resolved_kernel():
     auto.choose_strategy(kernel="flash", **kw)
 
 
-def _fit_script():
+def _script(name: str):
+  """A module of scripts/ (fit_memory_model, bench_memory)."""
   sys.path.insert(0, os.path.join(ROOT, "scripts"))
   try:
-    import fit_memory_model  # pylint: disable=g-import-not-at-top
+    return importlib.import_module(name)
   finally:
     sys.path.pop(0)
-  return fit_memory_model
+
+
+def _fit_script():
+  return _script("fit_memory_model")
 
 
 @pytest.mark.parametrize("row", range(5))
@@ -306,15 +311,6 @@ def test_planner_is_within_15_percent_of_the_full_size_compiles(row):
   assert abs(err) <= 0.15, (
     f"{point.name}: planner {est / GiB:.2f} vs {point.compiled / GiB:.2f} GiB"
   )
-
-
-def _bench_memory_script():
-  sys.path.insert(0, os.path.join(ROOT, "scripts"))
-  try:
-    import bench_memory  # pylint: disable=g-import-not-at-top
-  finally:
-    sys.path.pop(0)
-  return bench_memory
 
 
 # scripts/bench_memory.py's matrix (Llama-3.1-8B, remat 'full', splash; the cell
@@ -387,7 +383,7 @@ def test_planner_is_within_15_percent_of_the_bench_memory_matrix(
 ):
   """The planner's figure for a bench_memory cell, as the script computes it,
   against the cell's compiled total: 19 of the 24 within 15%."""
-  bench = _bench_memory_script()
+  bench = _script("bench_memory")
   exp = bench.experiment(bench.cell_params(strategy, topology, bench.LENGTHS[length]))
   est = bench.planner_row(exp, topology)["planner_total_bytes"] / GiB
   err = (est - compiled_gib) / compiled_gib

@@ -499,26 +499,38 @@ def test_splash_compiles_for_tpu_under_highest_precision(dtype):
   assert hlo.count('custom_call_target="tpu_custom_call"') == 3
 
 
-def _splash_grads_for_tpu(t: int, heads: int = 1):
-  """Compiles the gradient of one splash call on `t` tokens for one v5p device."""
+def _splash_grads_for_tpu(t: int):
+  """Compiles the gradient of one splash call on `t` tokens (1,024-token blocks)
+  for one v5p device."""
   mesh = jax.sharding.Mesh(compile_lib.topology_devices("v5p:2x2x1")[:1], ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  x = jax.ShapeDtypeStruct((1, t, heads, 128), jnp.bfloat16, sharding=sharding)
+  x = jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16, sharding=sharding)
 
   def loss(q, k, v):
-    out = flash.flash_attention(q, k, v, backend="splash", platform="tpu", block_q=1024)
+    out = flash.flash_attention(
+      q, k, v, backend="splash", platform="tpu", block_q=1024, block_kv=1024
+    )
     return out.astype(jnp.float32).sum()
 
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
 
 
+def _one_call_config(t: int):
+  """The static config of `_splash_grads_for_tpu`'s call."""
+  x = jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16)
+  return splash._config(x, x, True, None, None, (1024, 1024, None, None), None, False)
+
+
 def test_tiled_splash_compiles_for_tpu(monkeypatch):
   """Piece calls inside their loops compile for TPU (Mosaic inside while loops):
-  4,096 tokens cut into 1,024-token pieces by a small budget."""
+  4,096 tokens cut by a small budget into 1,024 x 2,048-token pieces, the loops
+  the one-call program does not have."""
+  one_call = _splash_grads_for_tpu(4096).as_text()
   monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", 4)
+  assert splash._tiles(_one_call_config(4096), 4096, 4096) == (1024, 2048)
   hlo = _splash_grads_for_tpu(4096).as_text()
   assert compile_lib.attention_backend_of(hlo) == "splash"
-  assert "while" in hlo
+  assert hlo.count(" while(") > one_call.count(" while(")
 
 
 @pytest.mark.slow
@@ -527,16 +539,7 @@ def test_a_call_beyond_smem_compiles_for_tpu_in_pieces(monkeypatch):
   blocks of maps, 1.17 MiB, which libtpu refuses ('Ran out of memory in memory
   space smem'); cut into pieces the call compiles (about 100 s on 2 cores)."""
   t = 655_360
-  cfg = splash._config(
-    jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16),
-    jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16),
-    True,
-    None,
-    None,
-    (1024, 1024, None, None),
-    None,
-    False,
-  )
+  cfg = _one_call_config(t)
   assert splash._block_map_bytes(cfg, t, t) > 1 << 20
   assert splash._tiles(cfg, t, t) == (t // 2, t)
   hlo = _splash_grads_for_tpu(t).as_text()

@@ -272,12 +272,17 @@ def _next_live(live_flat, minor: int):
   return jnp.where(nxt == n, 0, nxt) % minor
 
 
-def _small_int(x, bound: int):
-  """Scalar-memory arrays in the smallest int type that holds `bound`."""
+def _small_int_type(bound: int):
+  """The smallest int type that holds `bound` (scalar memory is scarce)."""
   for dt in (jnp.int8, jnp.int16):
     if bound <= jnp.iinfo(dt).max:
-      return x.astype(dt)
-  return x.astype(jnp.int32)
+      return jnp.dtype(dt)
+  return jnp.dtype(jnp.int32)
+
+
+def _small_int(x, bound: int):
+  """Scalar-memory arrays in the smallest int type that holds `bound`."""
+  return x.astype(_small_int_type(bound))
 
 
 def _mask_info(cfg: _Cfg, qseq, bq: int, kv_len: int, bkv: int, dkv: bool):
@@ -493,10 +498,10 @@ def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
 
 
 def _map_bytes(nq: int, nk: int) -> int:
-  """SMEM bytes of one call's block maps: data_next in `_small_int`'s type, block_mask int8."""
-  bound = max(nq, nk)
-  index_bytes = 1 if bound <= 127 else 2 if bound <= 32767 else 4
-  return nq * nk * (index_bytes + 1)
+  """SMEM bytes of one call's block maps, as `_mask_info` makes them: data_next in
+  the type that holds max(nq, nk), block_mask in the type that holds 2."""
+  itemsize = _small_int_type(max(nq, nk)).itemsize + _small_int_type(2).itemsize
+  return nq * nk * itemsize
 
 
 def _block_map_bytes(cfg: _Cfg, t: int, s: int) -> int:

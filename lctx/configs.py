@@ -78,7 +78,7 @@ def experiment(
   """
   train = train or TrainConfig()
   if train.init_params_from and init_from.is_hf_dir(train.init_params_from):
-    model = init_from.hf_model_config(train.init_params_from, gin.get_bindings(ModelConfig))
+    model = init_from.hf_model_config(train.init_params_from, gin.get_bindings("ModelConfig"))
   return train_lib.Experiment(
     model=model,
     data=data,

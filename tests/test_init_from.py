@@ -23,7 +23,7 @@ TINY = models.ModelConfig(
   vocab_size=288, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
 )
 STAGE1_TRAIN = dict(
-  batch_size=4,
+  batch_size=8,
   seq_len=64,
   steps=2,
   log_every=1,
@@ -31,11 +31,11 @@ STAGE1_TRAIN = dict(
   async_checkpoint=False,
   warmup_steps=1,
   learning_rate=3e-3,
-  context_parallel_strategy="ring",
-  attention_block_q=16,
-  attention_block_kv=16,
+  context_parallel_strategy="none",
+  attention_backend="reference",  # the quickest to compile
   eval_batches=1,
 )
+STAGE1_MESH = mesh_lib.MeshConfig(data=4, fsdp=2, context=1)
 
 
 def _experiment(model=TINY, mesh=None, **train) -> train_lib.Experiment:
@@ -43,7 +43,7 @@ def _experiment(model=TINY, mesh=None, **train) -> train_lib.Experiment:
     model=model,
     data=DataConfig(sources=("copy",), copy_max_key_len=16),
     train=TrainConfig(**{**STAGE1_TRAIN, **train}),
-    mesh=mesh or mesh_lib.MeshConfig(data=2, context=4),
+    mesh=mesh or STAGE1_MESH,
   )
 
 
@@ -54,6 +54,19 @@ def _metrics(workdir):
 
 def _messages(caplog):
   return [r.getMessage() for r in caplog.records]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache: a resumed run reuses its first run's compile."""
+  from jax._src import compilation_cache as cache  # pylint: disable=g-import-not-at-top
+
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  cache.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+  cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +104,7 @@ def test_a_stage_starts_from_a_checkpoint_with_new_length_rope_lr_and_mesh(
   # Stage 2: twice the length, another RoPE theta, remat and MLP chunks, another
   # mesh (fsdp x tensor), its own learning rate and warm-up, another seed.
   model = dataclasses.replace(TINY, rope_theta=40000.0, remat_policy="full", mlp_chunk_size=32)
-  mesh = mesh_lib.MeshConfig(fsdp=2, tensor=2, context=2)
+  mesh = mesh_lib.MeshConfig(data=2, fsdp=2, tensor=2, context=1)
   exp = _experiment(
     model,
     mesh,

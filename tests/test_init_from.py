@@ -236,12 +236,15 @@ CHANGES = {
   "qk_rope_head_dim": (MLA, 4),
   "v_head_dim": (MLA, 8),
   "tie_embeddings": (TINY, True),
+  "qkv_bias": (TINY, True),
+  "qk_norm": (TINY, True),
   "param_dtype": (TINY, "bfloat16"),
   "scan_layers": (TINY, False),
   "attention_pattern": (TINY, (None, 4)),
 }
 FREE = {
   "rope_theta": 5e5,
+  "rope_scaling": {"rope_type": "linear", "factor": 4.0},
   "norm_eps": 1e-6,
   "dtype": "bfloat16",
   "remat_policy": "custom",

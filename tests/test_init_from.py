@@ -101,9 +101,16 @@ def test_a_stage_starts_from_a_checkpoint_with_new_length_rope_lr_and_mesh(
 ):
   step, saved = _checkpoint_params(stage1, _experiment())
   assert step == 2
-  # Stage 2: twice the length, another RoPE theta, remat and MLP chunks, another
+  # Stage 2: twice the length, another RoPE theta and schedule (position
+  # interpolation by 2), remat and MLP chunks, another
   # mesh (fsdp x tensor), its own learning rate and warm-up, another seed.
-  model = dataclasses.replace(TINY, rope_theta=40000.0, remat_policy="full", mlp_chunk_size=32)
+  model = dataclasses.replace(
+    TINY,
+    rope_theta=40000.0,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    remat_policy="full",
+    mlp_chunk_size=32,
+  )
   mesh = mesh_lib.MeshConfig(data=2, fsdp=2, tensor=2, context=1)
   exp = _experiment(
     model,
@@ -194,13 +201,19 @@ def test_resume_accepts_rope_remat_and_chunking_changes_with_a_warning(stage1, t
   workdir = str(tmp_path / "resumed")
   shutil.copytree(stage1, workdir)
   model = dataclasses.replace(
-    TINY, rope_theta=20000.0, remat_policy="minimal", mlp_chunk_size=16, attention_pattern=(48,)
+    TINY,
+    rope_theta=20000.0,
+    rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+    remat_policy="minimal",
+    mlp_chunk_size=16,
+    attention_pattern=(48,),
   )
   with caplog.at_level(logging.WARNING):
     train_lib.run("train", workdir, _experiment(model, steps=3, seq_len=128))
   messages = _messages(caplog)
   for line in (
     "model.rope_theta: checkpoint has 10000.0, config has 20000.0",
+    f"model.rope_scaling: checkpoint has [], config has {model.rope_scaling!r}",
     "model.remat_policy: checkpoint has 'none', config has 'minimal'",
     "model.mlp_chunk_size: checkpoint has None, config has 16",
     "model.attention_pattern: checkpoint has [None], config has (48,)",

@@ -280,3 +280,54 @@ def test_lazy_reader_reads_only_slices(tmp_path):
   reader.read_hf = lambda name, index: calls.append((name, index)) or read(name, index)
   t[2, 1:2]
   assert calls == [("model.layers.2.self_attn.o_proj.weight", (slice(0, 32), slice(8, 16)))]
+
+
+# ----------------------------------------------------------------------------
+# --mode=export_hf: a workdir's checkpoint, as transformers reads it.
+# ----------------------------------------------------------------------------
+def test_export_mode_writes_a_checkpoint_transformers_runs(tmp_path):
+  from lctx import checkpoint as ckpt_lib
+  from lctx import train as train_lib
+  from lctx.data import DataConfig
+  from lctx.models import ModelConfig
+  from lctx.trainer import TrainConfig, Trainer
+
+  model = ModelConfig(
+    vocab_size=96,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    attention_pattern=(6,),  # fmt: skip
+  )
+  exp = train_lib.Experiment(
+    model=model,
+    data=DataConfig(sources=("copy",), copy_max_key_len=16),
+    train=TrainConfig(batch_size=4, seq_len=32, async_checkpoint=False),
+    mesh=mesh_lib.MeshConfig(fsdp=4, tensor=2, context=1),
+  )
+  workdir = str(tmp_path / "w")
+  trainer = Trainer(model, exp.train, mesh_lib.make_mesh(exp.mesh))
+  checkpointer = ckpt_lib.Checkpointer(workdir, save_every=1, keep=3, async_save=False)
+  states = {s: trainer.init_state(s) for s in (3, 7)}
+  for step, state in states.items():
+    checkpointer.save(step, state, {}, train_lib._meta(exp), wait=True)
+  checkpointer.close()
+  with pytest.raises(ValueError, match=r"--export_step=5: .* has steps \[3, 7\]"):
+    train_lib.run("export_hf", workdir, exp, export_dir=str(tmp_path / "x"), export_step=5)
+  ids, positions = _inputs(3)
+  ids = ids % model.vocab_size
+  for step, kwargs in ((7, {}), (3, {"export_step": 3})):
+    out = str(tmp_path / f"export{step}")
+    record = train_lib.run(
+      "export_hf", workdir, exp, export_dir=out, export_dtype="float32", **kwargs
+    )
+    assert record["step"] == step
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+      out, output_loading_info=True, attn_implementation="eager"
+    )
+    assert type(reloaded).__name__ == "MistralForCausalLM" and not info["missing_keys"]
+    params = jax.device_get(states[step]["params"])
+    _assert_close(_hf_logits(reloaded, ids, positions), _lctx_logits(model, params, ids, positions))

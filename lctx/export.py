@@ -33,8 +33,6 @@ def run_export_hf(
   if dtype not in ("bfloat16", "float32"):
     raise ValueError(f"--export_dtype={dtype!r}: use 'bfloat16' or 'float32'")
   hf.architecture_for(exp.model)  # refuse an inexpressible model before restoring anything
-  mesh = mesh_lib.make_mesh(exp.mesh)
-  trainer = Trainer(exp.model, exp.train, mesh)
   checkpointer = ckpt_lib.Checkpointer(workdir, save_every=0, keep=1 << 30, async_save=False)
   try:
     steps = checkpointer.all_steps()
@@ -46,6 +44,7 @@ def run_export_hf(
       step = steps[-1]
     elif step not in steps:
       raise ValueError(f"--export_step={step}: {checkpointer.directory} has steps {steps}")
+    trainer = Trainer(exp.model, exp.train, mesh_lib.make_mesh(exp.mesh))
     state, _ = checkpointer.restore(step, trainer.abstract_state, train_lib._meta(exp))
   finally:
     checkpointer.close()

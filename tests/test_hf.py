@@ -65,8 +65,8 @@ def _hf_logits(model, ids, positions):
 
 
 def _lctx_logits(config, params, ids, positions):
-  model = Transformer(config, reference_attention_fn)
-  return np.asarray(model.apply({"params": params}, ids, positions, np.ones_like(ids)))
+  apply = jax.jit(Transformer(config, reference_attention_fn).apply)
+  return np.asarray(apply({"params": params}, ids, positions, np.ones_like(ids)))
 
 
 def _assert_close(got, want, tol=2e-4):
@@ -311,7 +311,13 @@ def test_export_mode_writes_a_checkpoint_transformers_runs(tmp_path):
   workdir = str(tmp_path / "w")
   trainer = Trainer(model, exp.train, mesh_lib.make_mesh(exp.mesh))
   checkpointer = ckpt_lib.Checkpointer(workdir, save_every=1, keep=3, async_save=False)
-  states = {s: trainer.init_state(s) for s in (3, 7)}
+
+  def random_state(seed):  # the trainer's state tree and shardings (init_state compiles)
+    rng = np.random.default_rng(seed)
+    fill = lambda a: rng.normal(size=a.shape).astype(a.dtype)  # noqa: E731
+    return jax.tree.map(lambda a: jax.device_put(fill(a), a.sharding), trainer.abstract_state)
+
+  states = {s: random_state(s) for s in (3, 7)}
   for step, state in states.items():
     checkpointer.save(step, state, {}, train_lib._meta(exp), wait=True)
   checkpointer.close()

@@ -91,7 +91,10 @@ FAMILIES = {
   ),
   "llama_yarn": (
     "Llama",
-    dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
+    dict(
+      rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+      max_position_embeddings=128,
+    ),
   ),
   "llama_linear": ("Llama", dict(rope_scaling=dict(rope_type="linear", factor=3.0))),
   "llama_tied": ("Llama", dict(tie_word_embeddings=True, num_key_value_heads=1)),
@@ -239,7 +242,7 @@ def test_sharded_load_equals_single_host_load(tmp_path, monkeypatch):
 
   import flax.linen as nn
 
-  path, _ = _build(tmp_path, "Llama", head_dim=12, vocab_size=96)
+  path, _ = _build(tmp_path, "Qwen3", head_dim=12, vocab_size=96)
   config, params = hf.load_pretrained(path)
   config = dataclasses.replace(config, param_dtype="bfloat16")  # reads convert
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, tensor=2, context=1))

@@ -340,3 +340,68 @@ def test_export_mode_writes_a_checkpoint_transformers_runs(tmp_path):
     assert type(reloaded).__name__ == "MistralForCausalLM" and not info["missing_keys"]
     params = jax.device_get(states[step]["params"])
     _assert_close(_hf_logits(reloaded, ids, positions), _lctx_logits(model, params, ids, positions))
+
+
+# ----------------------------------------------------------------------------
+# Two processes (4 devices each, one 8-device mesh): each reads only its slices,
+# and an export gathers across processes; the result equals the files read.
+# ----------------------------------------------------------------------------
+_WORKER = """
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, pid, src, dst = sys.argv[1:]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
+import flax.linen as nn
+import numpy as np
+from lctx.models import Transformer, hf
+from lctx.parallel import mesh as mesh_lib
+
+config = hf.load_config(src)
+mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, tensor=2, context=1))
+ids = jax.ShapeDtypeStruct((1, 2), np.int32)
+boxed = jax.eval_shape(lambda i: Transformer(config).init(jax.random.key(0), i, i, i), ids)
+with nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh)["params"]
+reads = []
+read = hf.PretrainedReader.read_hf
+hf.PretrainedReader.read_hf = lambda self, n, i: reads.append(n) or read(self, n, i)
+params = hf.load_pretrained_sharded(src, config, shardings)
+wq = params["layers"]["layer_0"]["attention"]["wq"]
+assert not wq.is_fully_addressable and len(wq.addressable_shards) == 4
+# This process read the layer-0 q_proj slices of its own 4 devices only.
+assert reads.count("model.layers.0.self_attn.q_proj.weight") == 4, reads
+hf.save_pretrained(dst, config, params, dtype="float32", max_shard_bytes=30_000)
+print("worker", pid, "done")
+"""
+
+
+def test_two_processes_load_and_export_what_one_process_reads(tmp_path):
+  import socket
+  import subprocess
+  import sys
+
+  path, _ = _build(tmp_path, "Qwen2", tie_word_embeddings=True, vocab_size=96)
+  out = str(tmp_path / "export2")
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _WORKER, str(port), str(i), path, out],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  logs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  _, want = hf.load_pretrained(path)
+  _, got = hf.load_pretrained(out)
+  jax.tree.map(np.testing.assert_array_equal, got, want)

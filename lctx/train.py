@@ -11,7 +11,9 @@
   compile         compile the train step for a TPU slice from any machine and
                   report its memory (lctx/compile.py; returns the record);
   plan            estimate per-device memory on named hardware and search for
-                  the smallest setup that fits (lctx/planner.py; no devices).
+                  the smallest setup that fits (lctx/planner.py; no devices);
+  export_hf       write a checkpoint of the workdir as a Hugging Face directory
+                  (lctx/export.py; returns its record).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from lctx import metrics as metrics_lib
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
-MODES = ("train", "eval", "train_and_eval", "inspect_data", "compile", "plan")
+MODES = ("train", "eval", "train_and_eval", "inspect_data", "compile", "plan", "export_hf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,9 +330,12 @@ def run(
   plan_hardware: str | None = None,
   plan_then_compile: bool = False,
   plan_gin_files: tuple[str, ...] = (),
+  export_dir: str | None = None,
+  export_step: int | None = None,
+  export_dtype: str = "bfloat16",
 ):
   """Runs one experiment in `workdir` (created if missing); `compile` returns
-  its compile.json record, `plan` its plan.json record."""
+  its compile.json record, `plan` its plan.json record, `export_hf` its record."""
   if mode not in MODES:
     raise ValueError(f"--mode={mode!r} is not one of {MODES}.")
   os.makedirs(workdir, exist_ok=True)
@@ -349,6 +354,12 @@ def run(
       hardware=plan_hardware,
       plan_then_compile=plan_then_compile,
       gin_files=plan_gin_files,
+    )
+  if mode == "export_hf":
+    from lctx import export  # pylint: disable=g-import-not-at-top
+
+    return export.run_export_hf(
+      exp, workdir, export_dir=export_dir, step=export_step, dtype=export_dtype
     )
   mesh = mesh_lib.make_mesh(exp.mesh)
   logging.info(

@@ -65,8 +65,8 @@ def _hf_logits(model, ids, positions):
 
 
 def _lctx_logits(config, params, ids, positions):
-  model = Transformer(config, reference_attention_fn)
-  return np.asarray(model.apply({"params": params}, ids, positions, np.ones_like(ids)))
+  apply = jax.jit(Transformer(config, reference_attention_fn).apply)
+  return np.asarray(apply({"params": params}, ids, positions, np.ones_like(ids)))
 
 
 def _assert_close(got, want, tol=2e-4):
@@ -91,7 +91,10 @@ FAMILIES = {
   ),
   "llama_yarn": (
     "Llama",
-    dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
+    dict(
+      rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+      max_position_embeddings=128,
+    ),
   ),
   "llama_linear": ("Llama", dict(rope_scaling=dict(rope_type="linear", factor=3.0))),
   "llama_tied": ("Llama", dict(tie_word_embeddings=True, num_key_value_heads=1)),
@@ -239,7 +242,7 @@ def test_sharded_load_equals_single_host_load(tmp_path, monkeypatch):
 
   import flax.linen as nn
 
-  path, _ = _build(tmp_path, "Llama", head_dim=12, vocab_size=96)
+  path, _ = _build(tmp_path, "Qwen3", head_dim=12, vocab_size=96)
   config, params = hf.load_pretrained(path)
   config = dataclasses.replace(config, param_dtype="bfloat16")  # reads convert
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, tensor=2, context=1))
@@ -280,3 +283,125 @@ def test_lazy_reader_reads_only_slices(tmp_path):
   reader.read_hf = lambda name, index: calls.append((name, index)) or read(name, index)
   t[2, 1:2]
   assert calls == [("model.layers.2.self_attn.o_proj.weight", (slice(0, 32), slice(8, 16)))]
+
+
+# ----------------------------------------------------------------------------
+# --mode=export_hf: a workdir's checkpoint, as transformers reads it.
+# ----------------------------------------------------------------------------
+def test_export_mode_writes_a_checkpoint_transformers_runs(tmp_path):
+  from lctx import checkpoint as ckpt_lib
+  from lctx import train as train_lib
+  from lctx.data import DataConfig
+  from lctx.models import ModelConfig
+  from lctx.trainer import TrainConfig, Trainer
+
+  model = ModelConfig(
+    vocab_size=96,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    attention_pattern=(6,),  # fmt: skip
+  )
+  exp = train_lib.Experiment(
+    model=model,
+    data=DataConfig(sources=("copy",), copy_max_key_len=16),
+    train=TrainConfig(batch_size=4, seq_len=32, async_checkpoint=False),
+    mesh=mesh_lib.MeshConfig(fsdp=4, tensor=2, context=1),
+  )
+  workdir = str(tmp_path / "w")
+  trainer = Trainer(model, exp.train, mesh_lib.make_mesh(exp.mesh))
+  checkpointer = ckpt_lib.Checkpointer(workdir, save_every=1, keep=3, async_save=False)
+
+  def random_state(seed):  # the trainer's state tree and shardings (init_state compiles)
+    rng = np.random.default_rng(seed)
+    fill = lambda a: rng.normal(size=a.shape).astype(a.dtype)  # noqa: E731
+    return jax.tree.map(lambda a: jax.device_put(fill(a), a.sharding), trainer.abstract_state)
+
+  states = {s: random_state(s) for s in (3, 7)}
+  for step, state in states.items():
+    checkpointer.save(step, state, {}, train_lib._meta(exp), wait=True)
+  checkpointer.close()
+  with pytest.raises(ValueError, match=r"--export_step=5: .* has steps \[3, 7\]"):
+    train_lib.run("export_hf", workdir, exp, export_dir=str(tmp_path / "x"), export_step=5)
+  ids, positions = _inputs(3)
+  ids = ids % model.vocab_size
+  for step, kwargs in ((7, {}), (3, {"export_step": 3})):
+    out = str(tmp_path / f"export{step}")
+    record = train_lib.run(
+      "export_hf", workdir, exp, export_dir=out, export_dtype="float32", **kwargs
+    )
+    assert record["step"] == step
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+      out, output_loading_info=True, attn_implementation="eager"
+    )
+    assert type(reloaded).__name__ == "MistralForCausalLM" and not info["missing_keys"]
+    params = jax.device_get(states[step]["params"])
+    _assert_close(_hf_logits(reloaded, ids, positions), _lctx_logits(model, params, ids, positions))
+
+
+# ----------------------------------------------------------------------------
+# Two processes (4 devices each, one 8-device mesh): each reads only its slices,
+# and an export gathers across processes; the result equals the files read.
+# ----------------------------------------------------------------------------
+_WORKER = """
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, pid, src, dst = sys.argv[1:]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
+import flax.linen as nn
+import numpy as np
+from lctx.models import Transformer, hf
+from lctx.parallel import mesh as mesh_lib
+
+config = hf.load_config(src)
+mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, tensor=2, context=1))
+ids = jax.ShapeDtypeStruct((1, 2), np.int32)
+boxed = jax.eval_shape(lambda i: Transformer(config).init(jax.random.key(0), i, i, i), ids)
+with nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh)["params"]
+reads = []
+read = hf.PretrainedReader.read_hf
+hf.PretrainedReader.read_hf = lambda self, n, i: reads.append(n) or read(self, n, i)
+params = hf.load_pretrained_sharded(src, config, shardings)
+wq = params["layers"]["layer_0"]["attention"]["wq"]
+assert not wq.is_fully_addressable and len(wq.addressable_shards) == 4
+# This process read the layer-0 q_proj slices of its own 4 devices only.
+assert reads.count("model.layers.0.self_attn.q_proj.weight") == 4, reads
+hf.save_pretrained(dst, config, params, dtype="float32", max_shard_bytes=30_000)
+print("worker", pid, "done")
+"""
+
+
+def test_two_processes_load_and_export_what_one_process_reads(tmp_path):
+  import socket
+  import subprocess
+  import sys
+
+  path, _ = _build(tmp_path, "Qwen2", tie_word_embeddings=True, vocab_size=96)
+  out = str(tmp_path / "export2")
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _WORKER, str(port), str(i), path, out],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  logs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  _, want = hf.load_pretrained(path)
+  _, got = hf.load_pretrained(out)
+  jax.tree.map(np.testing.assert_array_equal, got, want)

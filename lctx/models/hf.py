@@ -22,6 +22,7 @@ F MLP hidden, E vocab, R scan repeats.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,6 +38,7 @@ from safetensors import safe_open
 from lctx.models.config import ModelConfig
 from lctx.models.hf_config import (  # noqa: F401  (re-exported)
   SHAPE_FIELDS,
+  architecture_for,
   check_shape_fields,
   config_from_hf,
   config_to_hf,
@@ -288,7 +290,7 @@ def _scan_files(path: str):
       raise ValueError(f"{file}: listed in {INDEX_FILE} but missing")
     try:
       with safe_open(file, "numpy") as f:
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118  (safe_open is not a dict)
           sl = f.get_slice(key)
           headers[key] = (sl.get_dtype(), tuple(sl.get_shape()))
           file_of[key] = file
@@ -357,18 +359,30 @@ def _hf_tensor(entry: _Entry, value: np.ndarray) -> np.ndarray:
 
 
 def _fetch(value, r: int | None) -> np.ndarray:
-  """value[r] (or value) as a host numpy array; for a jax array that spans
-  processes every process must call this (it gathers)."""
-  if isinstance(value, jax.Array):
-    if r is not None:
-      value = _take(value, r)
-    if not value.is_fully_addressable:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  """value[r] (or value) as a host numpy array, read from the shards that hold it
+  (no whole stacked param is gathered). A jax array that spans processes is
+  gathered with a collective, so every process must call this."""
+  if not isinstance(value, jax.Array):
+    value = np.asarray(value)
+    return value if r is None else value[r]
+  if not value.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
-      return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-    return np.asarray(jax.device_get(value))
-  value = np.asarray(value)
-  return value if r is None else value[r]
+    part = value if r is None else _take(value, r)
+    return np.asarray(multihost_utils.process_allgather(part, tiled=True))
+  out = np.empty(value.shape if r is None else value.shape[1:], value.dtype)
+  seen = set()
+  for shard in value.addressable_shards:
+    index = _slices(shard.index, value.shape)
+    if str(index) in seen or (r is not None and not index[0].start <= r < index[0].stop):
+      continue  # a replica, or a shard of other layers
+    seen.add(str(index))
+    data = np.asarray(shard.data)
+    if r is None:
+      out[index] = data
+    else:
+      out[index[1:]] = data[r - index[0].start]
+  return out
 
 
 @jax.jit
@@ -430,14 +444,14 @@ def save_pretrained(
     with open(os.path.join(path, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
   for name, shard in zip(names, shards):
-    header = {n: (_NUMPY_TO_ST[np_dtype.name], e.hf_shape) for n, e, _ in shard}
-    out = _SafetensorsWriter(os.path.join(path, name), header) if writer else None
-    for n, e, r in shard:
-      tensor = _hf_tensor(e, _fetch(values[e.path], r)).astype(np_dtype)
+    file = os.path.join(path, name)
+    with open(file, "wb") if writer else contextlib.nullcontext() as out:
       if out is not None:
-        out.write(n, tensor)
-    if out is not None:
-      out.close()
+        out.write(_safetensors_header({n: (np_dtype, e.hf_shape) for n, e, _ in shard}))
+      for _, e, r in shard:  # every process gathers; process 0 writes, in header order
+        tensor = _hf_tensor(e, _fetch(values[e.path], r)).astype(np_dtype)
+        if out is not None:
+          tensor.tofile(out)
   if writer and len(shards) > 1:
     total = sum(math.prod(e.hf_shape) * np_dtype.itemsize for _, e, _ in order)
     index = {
@@ -457,29 +471,19 @@ def _hf_sort_key(name: str):
   return (0 if "embed_tokens" in name else 2, 0, name)
 
 
-class _SafetensorsWriter:
-  """Streams one safetensors file: the header (names, dtypes, shapes, offsets) is
-  written first, then each tensor's bytes in header order as it arrives."""
-
-  def __init__(self, file: str, header: Mapping[str, tuple[str, tuple[int, ...]]]):
-    meta, offset = {"__metadata__": {"format": "pt"}}, 0
-    itemsize = {"F32": 4, "BF16": 2}
-    self._order = list(header)
-    for name, (dtype, shape) in header.items():
-      n = math.prod(shape) * itemsize[dtype]
-      meta[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-      offset += n
-    blob = json.dumps(meta, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
-    self._file = open(file, "wb")
-    self._file.write(len(blob).to_bytes(8, "little") + blob)
-    self._next = 0
-
-  def write(self, name: str, tensor: np.ndarray) -> None:
-    if self._order[self._next] != name:
-      raise ValueError(f"safetensors writer: expected {self._order[self._next]}, got {name}")
-    np.ascontiguousarray(tensor).tofile(self._file)
-    self._next += 1
-
-  def close(self) -> None:
-    self._file.close()
+def _safetensors_header(tensors: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> bytes:
+  """The leading bytes of a safetensors file holding `tensors` in this order: the
+  header length, then the JSON header (offsets known from the shapes alone), so
+  the tensors' bytes can follow one at a time."""
+  meta, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, (dtype, shape) in tensors.items():
+    n = math.prod(shape) * dtype.itemsize
+    meta[name] = {
+      "dtype": _NUMPY_TO_ST[dtype.name],
+      "shape": list(shape),
+      "data_offsets": [offset, offset + n],
+    }
+    offset += n
+  blob = json.dumps(meta, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+  return len(blob).to_bytes(8, "little") + blob

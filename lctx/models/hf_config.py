@@ -12,12 +12,12 @@ transformers config classes (e.g. Mistral's sliding_window 4096, Qwen3's head_di
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from lctx.models import rope
 from lctx.models.config import ModelConfig
 
 ARCHITECTURES = (
@@ -46,7 +46,6 @@ _REFUSED = {
 }
 # Keys whose presence (with a value that means "on") marks an unsupported feature.
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # rope dict keys that are not scaling parameters (they live elsewhere in ModelConfig).
 _ROPE_NON_SCALING = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
 # The ModelConfig fields that decide parameter shapes (and so must match a checkpoint).
@@ -103,9 +102,9 @@ def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any] | No
   if partial not in (None, 1, 1.0):
     raise ValueError(f"{where}: partial_rotary_factor={partial} is not supported (only 1.0)")
   rope_type = params.get("rope_type", params.get("type", "default"))
-  if rope_type not in SUPPORTED_ROPE_TYPES:
+  if rope_type not in rope.SUPPORTED_ROPE_TYPES:
     raise ValueError(
-      f"{where}: rope_type {rope_type!r} is not supported; lctx computes {SUPPORTED_ROPE_TYPES}"
+      f"{where}: rope_type {rope_type!r} is not supported; lctx computes {rope.SUPPORTED_ROPE_TYPES}"
     )
   if rope_type == "default":
     return theta, None
@@ -169,8 +168,6 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json", **override
     qk_norm=arch == "Qwen3ForCausalLM",
   )
   fields.update(overrides)
-  known = {f.name for f in dataclasses.fields(ModelConfig)}  # PRE-MERGE SHIM
-  fields = {k: v for k, v in fields.items() if k in known or v}
   try:
     return ModelConfig(**fields)
   except (ValueError, TypeError) as e:
@@ -186,9 +183,9 @@ def load_config(path: str, **overrides) -> ModelConfig:
 def check_shape_fields(expected: ModelConfig, given: ModelConfig, where: str) -> None:
   """A ValueError naming every SHAPE_FIELDS field where `given` differs from the checkpoint."""
   diffs = [
-    f"{f}: checkpoint has {getattr(expected, f, None)!r}, config has {getattr(given, f, None)!r}"
+    f"{f}: checkpoint has {getattr(expected, f)!r}, config has {getattr(given, f)!r}"
     for f in SHAPE_FIELDS
-    if getattr(expected, f, None) != getattr(given, f, None)
+    if getattr(expected, f) != getattr(given, f)
   ]
   if diffs:
     raise ValueError(
@@ -201,20 +198,18 @@ def architecture_for(config: ModelConfig) -> str:
   windows = set(config.attention_pattern)
   if config.attention != "mha_gqa":
     raise ValueError(f"attention={config.attention!r}: only mha_gqa exports to Hugging Face")
-  if getattr(config, 'qk_norm', False) and getattr(config, 'qkv_bias', False):
+  if config.qk_norm and config.qkv_bias:
     raise ValueError("qk_norm with qkv_bias: no Hugging Face family has both (Qwen3 has no bias)")
   if len(windows) > 1:
     raise ValueError(
       f"attention_pattern={config.attention_pattern}: mixed windows have no HF family here"
     )
   window = next(iter(windows))
-  if window is not None and (
-    getattr(config, 'qk_norm', False) or getattr(config, 'qkv_bias', False)
-  ):
+  if window is not None and (config.qk_norm or config.qkv_bias):
     raise ValueError(f"attention_pattern={config.attention_pattern}: only Mistral has a window")
-  if getattr(config, 'qk_norm', False):
+  if config.qk_norm:
     return "Qwen3ForCausalLM"
-  if getattr(config, 'qkv_bias', False):
+  if config.qkv_bias:
     return "Qwen2ForCausalLM"
   return "LlamaForCausalLM" if window is None else "MistralForCausalLM"
 
@@ -227,7 +222,7 @@ def config_to_hf(
   types; default original_max_position_embeddings x factor when scaled, else 8192."""
   arch = architecture_for(config)
   model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
-  scaling = dict(getattr(config, 'rope_scaling_dict', None) or {})
+  scaling = dict(config.rope_scaling_dict or {})
   if max_position_embeddings is None:
     orig = scaling.get("original_max_position_embeddings")
     max_position_embeddings = int(orig * scaling.get("factor", 1.0)) if orig else 8192

@@ -5,6 +5,7 @@ python main.py --gin_file=gin/usp_ironwood.gin --gin_param="TrainConfig.steps=10
 python main.py --mode=inspect_data --gin_file=gin/local_cpu.gin
 python main.py --mode=compile --gin_file=gin/ring_v5p.gin --compile_topology=v5p:4x4x4
 python main.py --mode=plan --gin_file=gin/ring_v5p.gin --plan_hardware=v5p-64
+python main.py --mode=export_hf --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx --export_dir=/tmp/hf
 """
 
 import os
@@ -21,7 +22,7 @@ flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics).")
 flags.DEFINE_enum(
   "mode",
   "train",
-  ["train", "eval", "train_and_eval", "inspect_data", "compile", "plan"],
+  ["train", "eval", "train_and_eval", "inspect_data", "compile", "plan", "export_hf"],
   "What to run.",
 )
 flags.DEFINE_string(
@@ -59,6 +60,11 @@ flags.DEFINE_bool(
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "Number of processes.")
 flags.DEFINE_integer("process_id", None, "This process's index.")
+flags.DEFINE_string("export_dir", None, "--mode=export_hf: the Hugging Face directory to write.")
+flags.DEFINE_integer("export_step", None, "--mode=export_hf: the checkpoint step (default latest).")
+flags.DEFINE_enum(
+  "export_dtype", "bfloat16", ["bfloat16", "float32"], "--mode=export_hf: tensor dtype."
+)
 FLAGS = flags.FLAGS
 REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -139,6 +145,16 @@ def main(argv):
       plan_gin_files=tuple(FLAGS.gin_file),
     )
     return 0 if record["configured"]["fits"] else 1
+  if FLAGS.mode == "export_hf":
+    train.run(
+      "export_hf",
+      workdir,
+      experiment,
+      export_dir=FLAGS.export_dir,
+      export_step=FLAGS.export_step,
+      export_dtype=FLAGS.export_dtype,
+    )
+    return 0
   train.run(FLAGS.mode, workdir, experiment)
 
 

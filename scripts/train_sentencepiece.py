@@ -3,8 +3,9 @@
     python scripts/train_sentencepiece.py --output_prefix=/tmp/lctx_spm \
         --vocab_size=8192 [--text_glob='/data/books/*.txt'] [--max_mb=20]
 
-Writes <prefix>.model and <prefix>.vocab, with pad=0, bos=1, eos=2 as lctx
-requires; load it with lctx.data.make_tokenizer('sentencepiece', '<prefix>.model').
+Writes <prefix>.model and <prefix>.vocab, with pad=0, bos=1, eos=2 (lctx's own layout;
+any model with BOS and EOS loads, e.g. Llama 2's with no pad); load it with
+lctx.data.make_tokenizer('sentencepiece', '<prefix>.model').
 """
 
 import argparse

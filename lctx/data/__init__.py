@@ -5,7 +5,7 @@ Public entry points (see each docstring):
   inspect_data                              packing report (main.py --mode=inspect_data)
   make_tokenizer_for, load_documents        tokenizer and held-out texts for evals
   register_task_source                      synthetic sources defined above data
-  make_tokenizer, ByteTokenizer, SentencePieceTokenizer
+  make_tokenizer, ByteTokenizer, SentencePieceTokenizer, HFTokenizer
   prepare_text_corpus, open_text_corpus, open_tfds   document sources
 
 Names resolve lazily, so `from lctx.data import make_tokenizer` does not import
@@ -17,6 +17,7 @@ import importlib
 _EXPORTS = {
   "ByteTokenizer": "tokenizers",
   "SentencePieceTokenizer": "tokenizers",
+  "HFTokenizer": "tokenizers",
   "Tokenizer": "tokenizers",
   "make_tokenizer": "tokenizers",
   "default_data_dir": "sources",

@@ -75,7 +75,8 @@ class DataConfig:
   tfds_data_dir: str | None = None
   """Where the prepared (array_record) catalogue dataset lives, e.g. a gs:// bucket."""
   tokenizer: str = "byte"
-  """'byte' (vocab 259) or 'sentencepiece' (needs tokenizer_model_path)."""
+  """'byte' (vocab 259), 'sentencepiece' (a .model file) or 'hf' (a tokenizer.json or
+  its directory); the last two need tokenizer_model_path."""
   tokenizer_model_path: str | None = None
   packing: str = "first_fit"
   """'first_fit': whole windows into rows, pad at row ends; 'concat_split':

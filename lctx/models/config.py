@@ -7,6 +7,7 @@ H head dim (q/k), V value head dim, D d_model, F MLP hidden, E vocab.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from lctx.models import rope
@@ -387,3 +388,48 @@ def validate(c: ModelConfig) -> None:
       )
     if c.q_lora_rank < 0:
       raise ValueError(f"q_lora_rank must be >= 0 (0 = no compression); got {c.q_lora_rank}")
+
+
+# ----------------------------------------------------------------------------
+# The parameter tree: which fields fix it
+# ----------------------------------------------------------------------------
+SHAPE_FIELDS = (
+  "vocab_size",
+  "d_model",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "mlp_dim",
+  "attention",
+  "q_lora_rank",
+  "kv_lora_rank",
+  "qk_nope_head_dim",
+  "qk_rope_head_dim",
+  "v_head_dim",
+  "tie_embeddings",
+  "qkv_bias",
+  "qk_norm",
+)
+"""Fields that fix the parameters' names and shapes (a pretrained checkpoint's
+config.json sets them). Every other field (RoPE, dtypes, remat, chunking, windows)
+can change between runs that share parameters."""
+
+
+def param_layout(fields: Mapping[str, Any]) -> dict[str, Any]:
+  """The settings that fix the stored parameter tree: names, shapes and dtypes.
+
+  fields: a ModelConfig's `dataclasses.asdict` (as a checkpoint's meta holds it,
+  JSON lists for tuples); a missing field has its default (configs saved before
+  the field existed). Besides SHAPE_FIELDS: `param_dtype`, `scan_layers` (scanned
+  or unrolled layout) and `attention_pattern` by its length (the layers of one
+  scanned block: their window sizes do not change the tree).
+  """
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
+  def get(name):
+    return fields.get(name, defaults[name])
+
+  layout = {name: get(name) for name in (*SHAPE_FIELDS, "param_dtype", "scan_layers")}
+  layout["attention_pattern (its length)"] = len(get("attention_pattern"))
+  return layout

@@ -10,6 +10,7 @@ import glob
 import json
 import math
 import os
+import re
 
 import gin
 import pytest
@@ -69,6 +70,22 @@ def test_every_experiment_is_covered():
       head = f.read(2000)
     assert head.startswith("#"), f"{path} must open with a comment"
     assert "Launch" in head and "Tokens per step" in head, path
+
+
+_TOKENS_LINE = re.compile(r"# Tokens per step: batch ([\d,]+) x seq ([\d,]+)(?: = ([\d,]+))?")
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS)
+def test_header_tokens_per_step_are_the_configs(path):
+  """The header's "batch B x seq S = N" is the file's own TrainConfig (and B x S = N)."""
+  with open(os.path.join(ROOT, path)) as f:
+    match = _TOKENS_LINE.search(f.read(2000))
+  assert match, f"{path}: no '# Tokens per step: batch B x seq S' line"
+  batch, seq, total = (int(g.replace(",", "")) if g else None for g in match.groups())
+  exp = _build(path)
+  assert (batch, seq) == (exp.train.batch_size, exp.train.seq_len), path
+  if total is not None:
+    assert total == batch * seq, path
 
 
 # The collectives each strategy's attention must lower to (present, absent).

@@ -9,21 +9,12 @@ Public API:
                                             jax arrays; each process reads only
                                             the slices its devices hold
   save_pretrained(path, config, params, dtype=..., max_shard_bytes=...)
-
-Layout. HF stores each layer's tensors under `model.layers.{l}.` with torch Linear
-weights as [out, in]; lctx stacks the layers of one attention-pattern position on a
-leading axis (params['layers']['layer_{i}'][r] is HF layer r * len(pattern) + i)
-and splits heads: wq [D, N, H] = q_proj.weight.T reshaped. HF's q/k rows are
-already in the rotate-half order lctx's RoPE uses, so no permutation is needed.
-
-Shapes legend (docs/contracts.md): N q heads, K kv heads, H head dim, D d_model,
-F MLP hidden, E vocab, R scan repeats.
+                                            (lctx.models.hf_export)
+The layout (which HF tensors make each lctx param) is lctx.models.hf_layout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -31,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -45,114 +35,17 @@ from lctx.models.hf_config import (  # noqa: F401  (re-exported)
   load_config,
   read_config_json,
 )
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-# safetensors dtype names lctx reads as weights (converted to the param dtype).
-_FLOAT_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
-_NUMPY_TO_ST = {np.dtype(v).name: k for k, v in _FLOAT_DTYPES.items()}
-# HF tensors a checkpoint may hold that lctx does not need.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-# lctx param (inside a decoder layer, or at the top) -> (HF name, transposed,
-# number of lctx dims that form the first axis of the (transposed) HF tensor).
-_LAYER_RULES = {
-  ("attn_norm", "scale"): ("input_layernorm.weight", False, 1),
-  ("mlp_norm", "scale"): ("post_attention_layernorm.weight", False, 1),
-  ("attention", "wq"): ("self_attn.q_proj.weight", True, 1),  # [D, N, H] <- [N*H, D]
-  ("attention", "wk"): ("self_attn.k_proj.weight", True, 1),
-  ("attention", "wv"): ("self_attn.v_proj.weight", True, 1),
-  ("attention", "wo"): ("self_attn.o_proj.weight", True, 2),  # [N, H, D] <- [D, N*H]
-  ("attention", "bq"): ("self_attn.q_proj.bias", False, 2),  # [N, H] <- [N*H]
-  ("attention", "bk"): ("self_attn.k_proj.bias", False, 2),
-  ("attention", "bv"): ("self_attn.v_proj.bias", False, 2),
-  ("attention", "q_norm", "scale"): ("self_attn.q_norm.weight", False, 1),
-  ("attention", "k_norm", "scale"): ("self_attn.k_norm.weight", False, 1),
-  ("mlp", "wi_gate"): ("mlp.gate_proj.weight", True, 1),  # [D, F] <- [F, D]
-  ("mlp", "wi_up"): ("mlp.up_proj.weight", True, 1),
-  ("mlp", "wo"): ("mlp.down_proj.weight", True, 1),  # [F, D] <- [D, F]
-}
-_TOP_RULES = {
-  ("embedding",): ("model.embed_tokens.weight", False, 1),
-  ("final_norm", "scale"): ("model.norm.weight", False, 1),
-  ("unembed", "kernel"): ("lm_head.weight", True, 1),  # [D, E] <- [E, D]
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-  """How one lctx param is made of HF tensors."""
-
-  path: tuple[str, ...]
-  shape: tuple[int, ...]  # lctx shape (with the leading R axis when stacked)
-  hf_names: tuple[str, ...]  # one per repeat when stacked, else one
-  stacked: bool
-  transposed: bool
-  split: int  # lctx dims (after R) forming the first axis of the transposed HF tensor
-
-  @property
-  def inner(self) -> tuple[int, ...]:
-    return self.shape[1:] if self.stacked else self.shape
-
-  @property
-  def hf_shape(self) -> tuple[int, ...]:
-    dims = (math.prod(self.inner[: self.split]), math.prod(self.inner[self.split :]))
-    dims = dims[:1] if self.split == len(self.inner) else dims
-    return dims[::-1] if self.transposed else dims
-
-
-def param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """Flat {path: shape} of the params Transformer(config).init creates (no memory)."""
-  # Imported here: the model pulls in the kernels, which config-only users do not need.
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
-  from lctx.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
-
-  ids = jax.ShapeDtypeStruct((1, 2), np.int32)
-  model = Transformer(dataclasses.replace(config, remat_policy="none", remat_custom=()))
-  with nn.logical_axis_rules(()):
-    tree = jax.eval_shape(lambda i: model.init(jax.random.key(0), i, i, i)["params"], ids)
-  flat = jax.tree_util.tree_flatten_with_path(nn.unbox(tree))[0]
-  return {tuple(k.key for k in kp): tuple(v.shape) for kp, v in flat}
-
-
-def layout(config: ModelConfig) -> dict[tuple[str, ...], _Entry]:
-  """{lctx path: _Entry} for every param of `config` (ValueError if one has no HF name)."""
-  period = len(config.attention_pattern)
-  entries = {}
-  for path, shape in param_shapes(config).items():
-    if path in _TOP_RULES:
-      name, transposed, split = _TOP_RULES[path]
-      entries[path] = _Entry(path, shape, (name,), False, transposed, split)
-      continue
-    # ('layers', 'layer_{i}', ...) stacked over R, or ('layers_{r}', 'layer_{i}', ...).
-    rule = _LAYER_RULES.get(path[2:])
-    if rule is None or not path[1].startswith("layer_"):
-      raise ValueError(f"lctx param {'/'.join(path)} has no Hugging Face counterpart")
-    name, transposed, split = rule
-    i = int(path[1][len("layer_") :])
-    if path[0] == "layers":
-      layers = [r * period + i for r in range(shape[0])]
-    else:
-      layers = [int(path[0][len("layers_") :]) * period + i]
-    names = tuple(f"model.layers.{l}.{name}" for l in layers)
-    entries[path] = _Entry(path, shape, names, path[0] == "layers", transposed, split)
-  return entries
-
-
-def _slices(index, shape) -> tuple[slice, ...]:
-  """A basic index (tuple of slices/ints, may be short) as full unit-step slices."""
-  index = index if isinstance(index, tuple) else (index,)
-  index = tuple(s for s in index if s is not Ellipsis)
-  out = []
-  for s, n in zip(index + (slice(None),) * (len(shape) - len(index)), shape):
-    if isinstance(s, (int, np.integer)):
-      s = slice(int(s) % n, int(s) % n + 1)
-    start, stop, step = s.indices(n)
-    if step != 1:
-      raise ValueError(f"index {index}: only unit-step slices are supported")
-    out.append(slice(start, max(start, stop)))
-  return tuple(out)
+from lctx.models.hf_export import save_pretrained  # noqa: F401  (re-exported)
+from lctx.models.hf_layout import (  # noqa: F401  (re-exported)
+  FLOAT_DTYPES,
+  IGNORED_SUFFIXES,
+  INDEX_FILE,
+  SINGLE_FILE,
+  Entry,
+  layout,
+  param_shapes,
+  unit_slices,
+)
 
 
 class LazyTensor:
@@ -161,13 +54,13 @@ class LazyTensor:
   jax.make_array_from_callback passes). Only the HF rows/columns that the index
   covers are read (whole heads when only part of a head's dims is asked for)."""
 
-  def __init__(self, reader: PretrainedReader, entry: _Entry):
+  def __init__(self, reader: PretrainedReader, entry: Entry):
     self._reader, self._entry = reader, entry
     self.shape, self.dtype = entry.shape, np.dtype(reader.config.param_dtype)
 
   def __getitem__(self, index) -> np.ndarray:
     e = self._entry
-    index = _slices(index, self.shape)
+    index = unit_slices(index, self.shape)
     names = e.hf_names
     if e.stacked:
       names, index = names[index[0]], index[1:]
@@ -229,11 +122,11 @@ class PretrainedReader:
       where = f"{self.path}: tensor {name} in {os.path.basename(self._file_of[name])}"
       if found != shape:
         raise ValueError(f"{where} has shape {list(found)}, the config needs {list(shape)}")
-      if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{where} has dtype {dtype}; lctx reads {sorted(_FLOAT_DTYPES)}")
+      if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{where} has dtype {dtype}; lctx reads {sorted(FLOAT_DTYPES)}")
     tied_head = {"lm_head.weight"} if self.config.tie_embeddings else set()
     unknown = sorted(
-      n for n in set(headers) - set(needed) - tied_head if not n.endswith(_IGNORED_SUFFIXES)
+      n for n in set(headers) - set(needed) - tied_head if not n.endswith(IGNORED_SUFFIXES)
     )
     if unknown:
       raise ValueError(
@@ -347,143 +240,3 @@ def load_pretrained_sharded(path: str, config: ModelConfig, shardings: Any):
     t = reader.tensor(p)
     arrays.append(jax.make_array_from_callback(t.shape, sharding, lambda idx, t=t: t[idx]))
   return jax.tree_util.tree_unflatten(treedef, arrays)
-
-
-# ----------------------------------------------------------------------------
-# Export
-# ----------------------------------------------------------------------------
-def _hf_tensor(entry: _Entry, value: np.ndarray) -> np.ndarray:
-  """One HF tensor (as torch stores it) from one lctx (per-layer) array."""
-  hf = value.reshape(entry.hf_shape[::-1] if entry.transposed else entry.hf_shape)
-  return np.ascontiguousarray(hf.T if entry.transposed else hf)
-
-
-def _fetch(value, r: int | None) -> np.ndarray:
-  """value[r] (or value) as a host numpy array, read from the shards that hold it
-  (no whole stacked param is gathered). A jax array that spans processes is
-  gathered with a collective, so every process must call this."""
-  if not isinstance(value, jax.Array):
-    value = np.asarray(value)
-    return value if r is None else value[r]
-  if not value.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-    part = value if r is None else _take(value, r)
-    return np.asarray(multihost_utils.process_allgather(part, tiled=True))
-  out = np.empty(value.shape if r is None else value.shape[1:], value.dtype)
-  seen = set()
-  for shard in value.addressable_shards:
-    index = _slices(shard.index, value.shape)
-    if str(index) in seen or (r is not None and not index[0].start <= r < index[0].stop):
-      continue  # a replica, or a shard of other layers
-    seen.add(str(index))
-    data = np.asarray(shard.data)
-    if r is None:
-      out[index] = data
-    else:
-      out[index[1:]] = data[r - index[0].start]
-  return out
-
-
-@jax.jit
-def _take(a, r):
-  return jax.lax.dynamic_index_in_dim(a, r, keepdims=False)
-
-
-def save_pretrained(
-  path: str,
-  config: ModelConfig,
-  params: Any,
-  dtype: str = "bfloat16",
-  max_shard_bytes: int = 5 * 2**30,
-  max_position_embeddings: int | None = None,
-) -> list[str]:
-  """Writes an HF directory transformers' AutoModelForCausalLM.from_pretrained loads:
-  config.json and `model.safetensors`, or shards of at most max_shard_bytes with
-  model.safetensors.index.json. params: the lctx tree (numpy or jax arrays, which
-  may span processes: every process calls this, process 0 writes). Tensors are
-  gathered, converted and written one at a time (each shard's header is known
-  from the shapes beforehand). Returns the files written."""
-  if dtype not in ("bfloat16", "float32"):
-    raise ValueError(f"dtype={dtype!r}: export as 'bfloat16' or 'float32'")
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
-  hf_config = config_to_hf(config, dtype, max_position_embeddings)
-  entries = layout(config)
-  params = nn.unbox(params)
-  params = params.get("params", params) if isinstance(params, Mapping) else params
-  values = {}
-  for p in entries:
-    node = params
-    for key in p:
-      if key not in node:
-        raise ValueError(f"params have no {'/'.join(p)} (needed by {config})")
-      node = node[key]
-    values[p] = node
-  np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
-  # (HF name, entry, repeat or None) in HF order, then shards by size.
-  order = [(n, e, (r if e.stacked else None)) for e in entries.values()
-           for r, n in enumerate(e.hf_names)]  # fmt: skip
-  order.sort(key=lambda t: _hf_sort_key(t[0]))
-  shards, size = [[]], 0
-  for item in order:
-    nbytes = math.prod(item[1].hf_shape) * np_dtype.itemsize
-    if shards[-1] and size + nbytes > max_shard_bytes:
-      shards.append([])
-      size = 0
-    shards[-1].append(item)
-    size += nbytes
-  names = (
-    [SINGLE_FILE]
-    if len(shards) == 1
-    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-  )
-  writer = jax.process_index() == 0
-  if writer:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-      json.dump(hf_config, f, indent=2, sort_keys=True)
-  for name, shard in zip(names, shards):
-    file = os.path.join(path, name)
-    with open(file, "wb") if writer else contextlib.nullcontext() as out:
-      if out is not None:
-        out.write(_safetensors_header({n: (np_dtype, e.hf_shape) for n, e, _ in shard}))
-      for _, e, r in shard:  # every process gathers; process 0 writes, in header order
-        tensor = _hf_tensor(e, _fetch(values[e.path], r)).astype(np_dtype)
-        if out is not None:
-          tensor.tofile(out)
-  if writer and len(shards) > 1:
-    total = sum(math.prod(e.hf_shape) * np_dtype.itemsize for _, e, _ in order)
-    index = {
-      "metadata": {"total_size": total},
-      "weight_map": {n: name for name, shard in zip(names, shards) for n, _, _ in shard},
-    }
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-      json.dump(index, f, indent=2, sort_keys=True)
-  return [os.path.join(path, n) for n in ["config.json", *names]]
-
-
-def _hf_sort_key(name: str):
-  """model.embed_tokens, model.layers.0..L-1 (numerically), model.norm, lm_head."""
-  parts = name.split(".")
-  if parts[:2] == ["model", "layers"]:
-    return (1, int(parts[2]), name)
-  return (0 if "embed_tokens" in name else 2, 0, name)
-
-
-def _safetensors_header(tensors: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> bytes:
-  """The leading bytes of a safetensors file holding `tensors` in this order: the
-  header length, then the JSON header (offsets known from the shapes alone), so
-  the tensors' bytes can follow one at a time."""
-  meta, offset = {"__metadata__": {"format": "pt"}}, 0
-  for name, (dtype, shape) in tensors.items():
-    n = math.prod(shape) * dtype.itemsize
-    meta[name] = {
-      "dtype": _NUMPY_TO_ST[dtype.name],
-      "shape": list(shape),
-      "data_offsets": [offset, offset + n],
-    }
-    offset += n
-  blob = json.dumps(meta, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
-  return len(blob).to_bytes(8, "little") + blob

@@ -93,6 +93,9 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
   # metadata server to ask. Read when libtpu loads (first topology call).
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # Without the metadata server libtpu finds no worker list and logs an E0000
+  # error; compile-only devices live in this one process.
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   if importlib.util.find_spec("libtpu") is None:
     raise RuntimeError(INSTALL_HINT)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top

@@ -24,6 +24,9 @@ VERBOSE_ENV = "LCTX_VERBOSE_ERRORS"
 _GIN_FILE_LINE = re.compile(r"^\s*In file \"?([^\",]+)\"?, line (\d+)", re.M)
 _GIN_BINDING_LINE = re.compile(r"^\s*In bindings string line \d+\n\s+(.+)$", re.M)
 _UNKNOWN_PARAMETER = re.compile(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'")
+_DEFAULT_FIX = (
+  "Change the setting or flag it names (in the gin file, with --gin_param, or the flag)."
+)
 _UNKNOWN_CONFIGURABLE = re.compile(r"No configurable matching '([^']+)'")
 
 
@@ -54,8 +57,8 @@ def config_phase():
 def one_line(err: BaseException) -> str:
   """`error: <cause> <fix>` on one line."""
   text = " ".join(str(err).split())
-  fix = getattr(err, "fix", None)
-  return f"error: {text}" + (f" {fix}" if fix else "")
+  fix = getattr(err, "fix", None) or _DEFAULT_FIX
+  return f"error: {text} {fix}"
 
 
 def verbose(flag: bool = False) -> bool:
@@ -71,14 +74,15 @@ def report(err: ConfigError) -> None:
 def _gin_cause(err: BaseException) -> str:
   """The first line of gin's message and where the binding came from."""
   message = str(err)
-  cause = message.strip().splitlines()[0].rstrip(" :") if message.strip() else type(err).__name__
-  if isinstance(err, SyntaxError) and err.filename:
-    cause = f"{cause} in {err.filename}"
+  if isinstance(err, SyntaxError):
+    where = f"{err.filename}, line {err.lineno}" if err.filename else "--gin_param"
+    return f"gin syntax: {(err.msg or '').rstrip('.')} ({where}: {(err.text or '').strip()!r})."
+  cause = message.strip().splitlines()[0].rstrip(" :.") if message.strip() else type(err).__name__
   if m := _GIN_FILE_LINE.search(message):
     cause = f"{cause} ({m.group(1)}, line {m.group(2)})"
   elif m := _GIN_BINDING_LINE.search(message):
     cause = f"{cause} (--gin_param {m.group(1).strip()!r})"
-  return cause
+  return cause + "."
 
 
 def _gin_fix(err: BaseException) -> str:

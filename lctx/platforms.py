@@ -88,6 +88,7 @@ def check_target(
   )
   raise ConfigError(
     f"{', '.join(gin_files) or 'this config'} is for {target} ({wanted.devices} devices); "
-    f"this machine has {count} {jax.devices()[0].device_kind} devices ({mesh_error}).",
+    f"this machine has {count} {jax.devices()[0].device_kind} devices "
+    f"({str(mesh_error).rstrip('.')}).",
     fix=f"Check it from here with: {command}",
   )

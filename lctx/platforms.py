@@ -73,9 +73,9 @@ def check_target(
   count = jax.device_count()
   try:
     mesh_lib.resolve_mesh_shape(mesh_config, count)
-    return
-  except ValueError as err:
-    mesh_error = err
+    return  # the mesh fits here (e.g. overridden for a smaller slice)
+  except ValueError:
+    pass
   wanted = hardware.parse_target(target)
   command = shlex.join(
     [
@@ -88,7 +88,6 @@ def check_target(
   )
   raise ConfigError(
     f"{', '.join(gin_files) or 'this config'} is for {target} ({wanted.devices} devices); "
-    f"this machine has {count} {jax.devices()[0].device_kind} devices "
-    f"({str(mesh_error).rstrip('.')}).",
-    fix=f"Check it from here with: {command}",
+    f"this machine has {count} {jax.devices()[0].device_kind} devices.",
+    fix=f"Check it from here with: {command} (or fit MeshConfig to these devices).",
   )

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from lctx import progress
+from lctx import errors, progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Plugin noise a CPU run must not print: the CUDA plugin's traceback, libtpu's error.
@@ -151,3 +151,15 @@ def test_heartbeat_beats_while_the_work_runs(monkeypatch):
   count = len(lines)
   time.sleep(0.1)
   assert len(lines) == count  # the thread stopped with the block
+
+
+def test_only_input_errors_become_one_line():
+  """What config_phase turns into a ConfigError, and what it leaves a bug."""
+  for user_error in (ValueError("bad value"), FileNotFoundError("no file"), SyntaxError("gin")):
+    with pytest.raises(errors.ConfigError), errors.config_phase():
+      raise user_error
+  with pytest.raises(RuntimeError), errors.config_phase():
+    raise RuntimeError("a bug")
+  assert issubclass(errors.ConfigError, ValueError)  # callers catching ValueError still do
+  line = errors.one_line(errors.ConfigError("two\nlines", fix="Do this."))
+  assert line == "error: two lines Do this."

@@ -3,15 +3,16 @@ r"""lctx entry point: gin files + absl flags -> lctx.train.run.
 python main.py --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx
 python main.py --gin_file=gin/usp_ironwood.gin --gin_param="TrainConfig.steps=10"
 python main.py --mode=inspect_data --gin_file=gin/local_cpu.gin
-python main.py --mode=compile --gin_file=gin/ring_v5p.gin --compile_topology=v5p:4x4x4
+python main.py --mode=compile --gin_file=gin/ring_v5p.gin  # for its COMPILE_TOPOLOGY
 python main.py --mode=plan --gin_file=gin/ring_v5p.gin --plan_hardware=v5p-64
 python main.py --mode=export_hf --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx --export_dir=/tmp/hf
 """
 
 import os
-import sys
 
 from absl import app, flags, logging
+
+from lctx import errors, gin_utils
 
 flags.DEFINE_multi_string("gin_file", [], "Gin files to bind (repeatable).")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings (repeatable).")
@@ -23,7 +24,7 @@ flags.DEFINE_enum(
   "mode",
   "train",
   ["train", "eval", "train_and_eval", "inspect_data", "compile", "plan", "export_hf"],
-  "What to run.",
+  "What to run (one handler each in MODES below).",
 )
 flags.DEFINE_string(
   "plan_hardware",
@@ -39,8 +40,9 @@ flags.DEFINE_bool(
 flags.DEFINE_string(
   "compile_topology",
   None,
-  "--mode=compile: the TPU slice to compile the train step for, e.g. 'v5p:4x4x4', "
-  "'tpu7x:4x4x4' (compile-only devices from libtpu; no TPU needed).",
+  "--mode=compile: the TPU slice ('v5p:4x4x4', 'tpu7x:4x4x4') or GPU node ('h100x8') "
+  "to compile the train step for, on compile-only devices (no TPU/GPU needed); "
+  "default: the gin file's COMPILE_TOPOLOGY.",
 )
 flags.DEFINE_integer(
   "compile_topology_num_slices", 1, "--mode=compile: how many such slices (multi-slice, DCN)."
@@ -65,15 +67,16 @@ flags.DEFINE_integer("export_step", None, "--mode=export_hf: the checkpoint step
 flags.DEFINE_enum(
   "export_dtype", "bfloat16", ["bfloat16", "float32"], "--mode=export_hf: tensor dtype."
 )
+flags.DEFINE_bool(
+  "verbose_errors",
+  False,
+  "Configuration errors keep their traceback (also: LCTX_VERBOSE_ERRORS=1); "
+  "without it they print as one line and exit with status 2.",
+)
 FLAGS = flags.FLAGS
 REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-def _set_fake_devices(n):
-  if n and "jax" not in sys.modules:
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-    )
+# Modes whose jax devices are the host CPU (compile-only TPU/GPU devices, or none).
+CPU_MODES = ("compile", "plan")
 
 
 class _QuietLibraries:
@@ -85,28 +88,16 @@ class _QuietLibraries:
     return record.levelno >= 30 or not any(n in record.pathname for n in self._NOISY)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.get_absl_handler().addFilter(_QuietLibraries())
-  if FLAGS.mode == "compile" or FLAGS.plan_then_compile:
-    # libtpu compiles for TPU devices it only describes; other processes may
-    # hold it too, and there is no TPU metadata server to ask.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    # GPU nodes (--compile_topology=h100x8) compile on the CUDA plugin's
-    # compile-only devices: its CUDA library check would fail without a GPU.
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-  import gin  # pylint: disable=g-import-not-at-top
+def _search_paths():
+  return [REPO_ROOT, *FLAGS.gin_search_path]
 
-  from lctx import gin_utils  # pylint: disable=g-import-not-at-top
 
-  _set_fake_devices(
-    FLAGS.fake_devices
-    or gin_utils.local_devices_macro(
-      FLAGS.gin_file, [REPO_ROOT, *FLAGS.gin_search_path], FLAGS.gin_param
-    )
-  )
+def _start_jax(fake):
+  """Fake devices and platform before any jax backend starts (lctx/platforms.py)."""
+  from lctx import platforms  # pylint: disable=g-import-not-at-top
+
+  platforms.set_fake_devices(fake)
+  platforms.choose(cpu_only=bool(fake) or FLAGS.mode in CPU_MODES)
   if FLAGS.jax_distributed:
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -114,10 +105,16 @@ def main(argv):
     # collectives; the option only concerns the CPU client.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  from lctx import configs, train  # pylint: disable=g-import-not-at-top
 
-  gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param, search_paths=[REPO_ROOT, *FLAGS.gin_search_path])
-  experiment = configs.experiment()
+
+def _read_config():
+  """Parses the gin files and bindings: (experiment, target, workdir)."""
+  import gin  # pylint: disable=g-import-not-at-top
+
+  from lctx import configs  # pylint: disable=g-import-not-at-top
+
+  gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param, search_paths=_search_paths())
+  experiment, target = configs.experiment(), configs.target()
   workdir = FLAGS.workdir or os.path.join(
     "/tmp/lctx", os.path.splitext(os.path.basename((FLAGS.gin_file or ["run"])[-1]))[0]
   )
@@ -126,36 +123,98 @@ def main(argv):
   logging.info("Operative config:\n%s", operative)
   with open(os.path.join(workdir, "config.gin"), "w") as f:
     f.write(operative)
-  if FLAGS.mode == "compile":
-    record = train.run(
-      "compile",
-      workdir,
-      experiment,
-      compile_topology=FLAGS.compile_topology,
-      compile_topology_num_slices=FLAGS.compile_topology_num_slices,
-    )
-    return 0 if record["fits"] else 1
-  if FLAGS.mode == "plan":
-    record = train.run(
-      "plan",
-      workdir,
-      experiment,
-      plan_hardware=FLAGS.plan_hardware,
-      plan_then_compile=FLAGS.plan_then_compile,
-      plan_gin_files=tuple(FLAGS.gin_file),
-    )
-    return 0 if record["configured"]["fits"] else 1
-  if FLAGS.mode == "export_hf":
-    train.run(
-      "export_hf",
-      workdir,
-      experiment,
-      export_dir=FLAGS.export_dir,
-      export_step=FLAGS.export_step,
-      export_dtype=FLAGS.export_dtype,
-    )
-    return 0
+  return experiment, target, workdir
+
+
+# ----------------------------------------------------------------------------
+# One handler per --mode: (experiment, target, workdir) -> exit status.
+# ----------------------------------------------------------------------------
+def _run(experiment, target, workdir):
+  from lctx import platforms, train  # pylint: disable=g-import-not-at-top
+
+  platforms.check_target(experiment.mesh, target, FLAGS.gin_file, FLAGS.gin_param)
   train.run(FLAGS.mode, workdir, experiment)
+  return 0
+
+
+def _compile(experiment, target, workdir):
+  from lctx import train  # pylint: disable=g-import-not-at-top
+
+  topology = FLAGS.compile_topology or target
+  if not topology:
+    raise errors.ConfigError(
+      f"--mode=compile needs a target, and {' '.join(FLAGS.gin_file) or 'the config'} "
+      "names none (no COMPILE_TOPOLOGY).",
+      fix="Pass --compile_topology=v5p:4x4x4 (a TPU slice) or =h100x8 (a GPU node), "
+      "or set COMPILE_TOPOLOGY = '...' in the gin file.",
+    )
+  record = train.run(
+    "compile",
+    workdir,
+    experiment,
+    compile_topology=topology,
+    compile_topology_num_slices=FLAGS.compile_topology_num_slices,
+  )
+  return 0 if record["fits"] else 1
+
+
+def _plan(experiment, target, workdir):
+  from lctx import train  # pylint: disable=g-import-not-at-top
+
+  record = train.run(
+    "plan",
+    workdir,
+    experiment,
+    plan_hardware=FLAGS.plan_hardware,
+    plan_then_compile=FLAGS.plan_then_compile,
+    plan_gin_files=tuple(FLAGS.gin_file),
+  )
+  return 0 if record["configured"]["fits"] else 1
+
+
+def _export_hf(experiment, target, workdir):
+  del target
+  from lctx import train  # pylint: disable=g-import-not-at-top
+
+  train.run(
+    "export_hf",
+    workdir,
+    experiment,
+    export_dir=FLAGS.export_dir,
+    export_step=FLAGS.export_step,
+    export_dtype=FLAGS.export_dtype,
+  )
+  return 0
+
+
+MODES = {
+  "train": _run,
+  "eval": _run,
+  "train_and_eval": _run,
+  "inspect_data": _run,
+  "compile": _compile,
+  "plan": _plan,
+  "export_hf": _export_hf,
+}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  try:
+    with errors.config_phase():
+      fake = FLAGS.fake_devices or gin_utils.local_devices_macro(
+        FLAGS.gin_file, _search_paths(), FLAGS.gin_param
+      )
+    _start_jax(fake)
+    with errors.config_phase():
+      experiment, target, workdir = _read_config()
+    return MODES[FLAGS.mode](experiment, target, workdir)
+  except errors.ConfigError as err:
+    if errors.verbose(FLAGS.verbose_errors):
+      raise
+    errors.report(err)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ import tempfile
 import time
 from typing import Any
 
-from lctx import hardware
+from lctx import hardware, progress
+from lctx.errors import ConfigError
 
 GiB = hardware.GiB
 INSTALL_HINT = (
@@ -87,11 +88,14 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
   hardware.topology_accelerator(topology)  # a known kind, or a clear error
   hardware.topology_chips(topology)
   if num_slices < 1:
-    raise ValueError(f"--compile_topology_num_slices must be >= 1; got {num_slices}.")
+    raise ConfigError(f"--compile_topology_num_slices must be >= 1; got {num_slices}.")
   # Other processes on this machine may hold libtpu too; and there is no TPU
   # metadata server to ask. Read when libtpu loads (first topology call).
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # Without the metadata server libtpu finds no worker list and logs an E0000
+  # error; compile-only devices live in this one process.
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   if importlib.util.find_spec("libtpu") is None:
     raise RuntimeError(INSTALL_HINT)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
@@ -101,7 +105,7 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
       platform="tpu", topology_name=topology, num_slices=num_slices
     )
   except Exception as err:  # pylint: disable=broad-except
-    raise ValueError(
+    raise ConfigError(
       f"libtpu cannot describe topology {topology!r} x {num_slices} slice(s): {err}. "
       "Names look like 'v5p:4x4x4', 'tpu7x:4x4x4', 'v6e:2x2'."
     ) from err
@@ -123,12 +127,12 @@ def compile_devices(topology: str, num_slices: int = 1):
   target = hardware.parse_target(topology)
   accel = target.accelerator
   if accel.platform != "gpu":
-    raise ValueError(
+    raise ConfigError(
       f"--compile_topology={topology!r}: a TPU slice is named by its topology, "
       "e.g. 'v5p:4x4x4' or 'tpu7x:4x4x4'; GPU nodes by '<kind>x<gpus>', e.g. 'h100x8'."
     )
   if num_slices != 1:
-    raise ValueError(
+    raise ConfigError(
       f"--compile_topology_num_slices={num_slices}: GPU nodes are named whole "
       f"('h100x16' for two nodes), not as slices; got {topology!r}."
     )
@@ -147,7 +151,7 @@ def _mesh_config(exp, topology: str, num_slices: int):
       f"MeshConfig.dcn_data = {num_slices}: data parallel across the slices"
     )
   if dcn != num_slices:
-    raise ValueError(
+    raise ConfigError(
       f"MeshConfig.dcn_data x dcn_fsdp = {cfg.dcn_data} x {cfg.dcn_fsdp} = {dcn} slices, "
       f"but --compile_topology_num_slices={num_slices} ({topology})."
     )
@@ -301,7 +305,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   try:
     mesh = mesh_lib.make_mesh(mesh_cfg, devices=devices)
   except ValueError as err:
-    raise ValueError(f"--compile_topology={topology} ({len(devices)} devices): {err}") from err
+    raise ConfigError(f"--compile_topology={topology} ({len(devices)} devices): {err}") from err
   trainer = Trainer(exp.model, exp.train, mesh)
   devices_per_vm = min(accel.devices_per_host, len(devices) // num_slices)
   record: dict[str, Any] = {
@@ -340,7 +344,10 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   dump = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "^$"}
   try:
     try:
-      compiled, message = trainer.lower_train_step().compile(compiler_options=dump), ""
+      with progress.Heartbeat(f"compile {topology}") as beat:  # minutes at full size
+        lowered = trainer.lower_train_step()
+        beat.phase("compiling")
+        compiled, message = lowered.compile(compiler_options=dump), ""
     except jax.errors.JaxRuntimeError as err:
       if "RESOURCE_EXHAUSTED" not in str(err):
         raise
@@ -470,7 +477,7 @@ def summary(record: dict[str, Any]) -> str:
 def run_compile(exp, workdir: str, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   """`--mode=compile`: compiles, prints the summary, writes <workdir>/compile.json."""
   if not topology:
-    raise ValueError(
+    raise ConfigError(
       "--mode=compile needs --compile_topology, e.g. --compile_topology=v5p:4x4x4 "
       "(optionally --compile_topology_num_slices=N)."
     )

@@ -35,6 +35,7 @@ import importlib.util
 import os
 
 from lctx import hardware
+from lctx.errors import ConfigError
 
 
 def install_hint() -> str:
@@ -151,11 +152,11 @@ def topology_shape(kind: str, count: int) -> str:
   """
   per_host = hardware.accelerator(kind).devices_per_host
   if count < 1:
-    raise ValueError(f"count must be >= 1; got {count}")
+    raise ConfigError(f"count must be >= 1; got {count}")
   if count <= per_host:
     return f"1x1x{count}"
   if count % per_host:
-    raise ValueError(f"{count} {kind} GPUs: more than one host needs a multiple of {per_host}")
+    raise ConfigError(f"{count} {kind} GPUs: more than one host needs a multiple of {per_host}")
   return f"1x{count // per_host}x{per_host}"
 
 
@@ -175,7 +176,7 @@ def gpu_topology_devices(
   """
   acc = hardware.accelerator(kind)
   if acc.platform != "gpu" or acc.name not in GPU_SPECS:
-    raise ValueError(f"no GPU spec for {kind!r}; known: {', '.join(sorted(GPU_SPECS))}")
+    raise ConfigError(f"no GPU spec for {kind!r}; known: {', '.join(sorted(GPU_SPECS))}")
   shape = topology_shape(acc.name, count)
   if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
     raise RuntimeError(install_hint())
@@ -200,5 +201,5 @@ def gpu_topology_devices(
       "(or JAX_PLATFORMS=cpu) before jax starts. " + install_hint()
     ) from err
   except Exception as err:  # pylint: disable=broad-except
-    raise ValueError(f"the CUDA plugin cannot describe {count} x {kind} ({shape}): {err}") from err
+    raise ConfigError(f"the CUDA plugin cannot describe {count} x {kind} ({shape}): {err}") from err
   return list(desc.devices)

@@ -65,6 +65,14 @@ def model_config(name: str, **overrides) -> models.ModelConfig:
   return models.ModelConfig(**{**fields, **overrides})
 
 
+@gin.configurable("target")
+def target(compile_topology: str | None = None) -> str | None:
+  """The hardware an experiment file is written for, named as --compile_topology
+  names it: a TPU slice ('v5p:4x4x4') or a GPU node ('h100x8'); None for CPU runs.
+  gin/runs/base.gin binds it to the COMPILE_TOPOLOGY macro, which such files set."""
+  return compile_topology
+
+
 @gin.configurable("experiment")
 def experiment(
   model=gin.REQUIRED, data=gin.REQUIRED, train=None, mesh=None, evals=None

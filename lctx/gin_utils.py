@@ -7,9 +7,13 @@ in XLA_FLAGS before the first `import jax`.
 
 from __future__ import annotations
 
+import difflib
+import glob
 import os
 import re
 from collections.abc import Sequence
+
+from lctx.errors import ConfigError
 
 _INCLUDE = re.compile(r"^\s*include\s+['\"]([^'\"]+)['\"]", re.M)
 _LOCAL_DEVICES = re.compile(r"^\s*LOCAL_DEVICES\s*=\s*(\d+)\s*$", re.M)
@@ -22,8 +26,17 @@ def find_gin_file(name: str, search_paths: Sequence[str]) -> str:
     candidate = os.path.join(root, name)
     if os.path.exists(candidate):
       return candidate
-  raise FileNotFoundError(
-    f"gin file {name!r} not found in the working directory or in {list(search_paths)}."
+  known = sorted(
+    {
+      os.path.relpath(p, root)
+      for root in search_paths
+      for p in glob.glob(os.path.join(root, "gin", "**", "*.gin"), recursive=True)
+    }
+  )
+  close = difflib.get_close_matches(name, known, n=1)
+  raise ConfigError(
+    f"gin file {name!r} not found in the working directory or in {list(search_paths)}.",
+    fix=f"Did you mean {close[0]}?" if close else "The experiment files are gin/*.gin.",
   )
 
 

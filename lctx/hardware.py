@@ -19,6 +19,8 @@ import dataclasses
 import math
 import re
 
+from lctx.errors import ConfigError
+
 GiB = 2**30
 GB = 10**9
 
@@ -107,7 +109,7 @@ def accelerator(name: str) -> Accelerator:
   """The table row of a kind ('v5p', 'tpu7x', 'h100', ...)."""
   kind = name.lower()
   if kind not in ACCELERATORS:
-    raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(sorted(ACCELERATORS))}")
+    raise ConfigError(f"unknown accelerator {name!r}; known: {', '.join(sorted(ACCELERATORS))}")
   return ACCELERATORS[kind]
 
 
@@ -122,7 +124,7 @@ def topology_chips(topology: str) -> int:
     _, dims = topology.split(":", 1)
     return math.prod(int(d) for d in dims.split("x"))
   except ValueError as err:
-    raise ValueError(
+    raise ConfigError(
       f"topology {topology!r} is not '<kind>:<AxBxC>' (e.g. 'v5p:4x4x4', 'tpu7x:2x2x1')"
     ) from err
 
@@ -133,7 +135,7 @@ def parse_target(name: str) -> Target:
     return Target(topology_accelerator(name), topology_chips(name))
   m = re.fullmatch(r"([a-z0-9]+?)(?:-|x)(\d+)", name.lower())
   if not m:
-    raise ValueError(
+    raise ConfigError(
       f"hardware {name!r} is not '<kind>-<chips>' (TPU, e.g. 'v5p-64') or "
       f"'<kind>x<gpus>' (GPU, e.g. 'h100x8'); known kinds: {', '.join(sorted(ACCELERATORS))}"
     )

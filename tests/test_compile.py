@@ -113,11 +113,13 @@ def _experiment(path, params=()):
 
 
 def _topology_of(path):
-  """The topology a gin file's header names ('... --compile_topology=v5p:4x4x4')."""
-  with open(os.path.join(ROOT, path)) as f:
-    m = re.search(r"--compile_topology=(\S+)", f.read(4000))
-  assert m, f"{path}: the header must give the --mode=compile command it was measured with"
-  return m.group(1)
+  """The slice a gin file is for: its COMPILE_TOPOLOGY macro ('v5p:4x4x4')."""
+  gin.clear_config()
+  gin_utils.parse([path], [], [ROOT])
+  topology = configs.target()
+  gin.clear_config()
+  assert topology, f"{path}: a TPU/GPU gin file names its hardware in COMPILE_TOPOLOGY"
+  return topology
 
 
 @pytest.mark.parametrize("path", sorted(SMALL_SLICE))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from lctx.errors import ConfigError
 from lctx.parallel import memory_model
 from lctx.parallel.validation import (
   context_degrees,
@@ -71,9 +72,9 @@ def estimate_attention_bytes(
     kernel=kernel,
   )
   if strategy not in memory_model.STRATEGIES:
-    raise ValueError(f"[unknown-strategy] {strategy!r}")
+    raise ConfigError(f"[unknown-strategy] {strategy!r}")
   if kernel not in memory_model.KERNELS:
-    raise ValueError(
+    raise ConfigError(
       f"[unknown-kernel] attention kernel {kernel!r}; known: {memory_model.KERNELS} "
       "(memory_model.resolve_kernel maps attention_backend to one)"
     )
@@ -151,7 +152,7 @@ def choose_strategy(
       return s, reason
     rejected.append(f"{s}: estimated {est / 2**20:.1f} MiB > budget")
   if not valid:
-    raise ValueError(
+    raise ConfigError(
       "[auto-no-strategy] no context-parallel strategy is valid: " + " | ".join(rejected)
     )
   # The official rule takes all_gather only while the whole K/V fit; when

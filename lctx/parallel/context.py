@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lctx.errors import ConfigError
 from lctx.parallel.all_gather import all_gather_attention_local
 from lctx.parallel.auto import choose_strategy
 from lctx.parallel.block_ops import AttnConfig
@@ -78,7 +79,7 @@ def _local_fn(strategy: str, mesh, cfg: AttnConfig):
       ring_size=shape["context"],
       ulysses_axis="context_ulysses",
     )
-  raise ValueError(f"[unknown-strategy] {strategy!r} is not one of {STRATEGIES}")
+  raise ConfigError(f"[unknown-strategy] {strategy!r} is not one of {STRATEGIES}")
 
 
 @functools.cache
@@ -98,7 +99,7 @@ def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions):
   shape = mesh_shape(mesh)
   rows = shape.get("data", 1) * shape.get("fsdp", 1)
   if b % rows != 0:
-    raise ValueError(f"[batch-divisible] batch ({b}) must be divisible by data x fsdp = {rows}")
+    raise ConfigError(f"[batch-divisible] batch ({b}) must be divisible by data x fsdp = {rows}")
   if segment_ids is None:
     segment_ids = jnp.ones((b, t), jnp.int32)
   if positions is None:
@@ -147,12 +148,12 @@ def make_attention_fn(
   """
   platform = platform or mesh.devices.flat[0].platform
   if strategy not in STRATEGIES:
-    raise ValueError(
+    raise ConfigError(
       f"[unknown-strategy] context_parallel_strategy {strategy!r} is not "
       f"one of {STRATEGIES}; resolve 'auto' with choose_strategy first"
     )
   if (ulysses_head_chunks or 1) > 1 and strategy not in ("ulysses", "usp"):
-    raise ValueError(
+    raise ConfigError(
       f"[head-chunks] ulysses_head_chunks={ulysses_head_chunks} applies to the ulysses "
       f"and usp strategies only, not {strategy!r}"
     )
@@ -188,12 +189,12 @@ def make_attention_fn(
 
   if stage_projections:
     if (ulysses_head_chunks or 1) < 2:
-      raise ValueError(
+      raise ConfigError(
         "[head-chunks] ulysses_stage_projections needs ulysses_head_chunks >= 2, got "
         f"{ulysses_head_chunks}"
       )
     if mesh_shape(mesh).get("tensor", 1) > 1:
-      raise ValueError(
+      raise ConfigError(
         "[head-chunks] ulysses_stage_projections picks global heads per stage, so it "
         f"needs tensor = 1; got mesh {mesh_shape(mesh)} (use ulysses_head_chunks alone)"
       )
@@ -281,7 +282,7 @@ def context_attention(
   ring = zigzag_ring_size(shape)
   rows = shape.get("data", 1) * shape.get("fsdp", 1)
   if b % rows:
-    raise ValueError(f"[batch-divisible] batch ({b}) must be divisible by data x fsdp = {rows}")
+    raise ConfigError(f"[batch-divisible] batch ({b}) must be divisible by data x fsdp = {rows}")
   # Collective permutes of each device's two half-shards (lctx.parallel.zigzag):
   # no device ever holds more than its shard, unlike a gather of the sequence.
   q, k, v, segment_ids, positions = (

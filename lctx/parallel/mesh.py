@@ -20,6 +20,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lctx.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor", "context", "context_ulysses")
 BATCH_AXES = ("data", "fsdp")
 SEQ_AXES = ("context", "context_ulysses")
@@ -87,31 +89,31 @@ def resolve_mesh_shape(config: MeshConfig, num_devices: int) -> dict[str, int]:
   dcn = {"data": config.dcn_data, "fsdp": config.dcn_fsdp}
   for name, size in dcn.items():
     if size < 1:
-      raise ValueError(f"mesh: dcn_{name}={size} must be >= 1.")
+      raise ConfigError(f"mesh: dcn_{name}={size} must be >= 1.")
   dcn_total = math.prod(dcn.values())
   if num_devices % dcn_total:
-    raise ValueError(
+    raise ConfigError(
       f"mesh: {num_devices} devices do not split into dcn_data x dcn_fsdp = {dcn_total} slices."
     )
   per_slice = num_devices // dcn_total
   shape = config.ici_shape()
   unknown = [a for a, s in shape.items() if s == -1]
   if len(unknown) > 1:
-    raise ValueError(f"mesh: only one axis may be -1, got -1 for {unknown} in {shape}.")
+    raise ConfigError(f"mesh: only one axis may be -1, got -1 for {unknown} in {shape}.")
   bad = {a: s for a, s in shape.items() if s != -1 and s < 1}
   if bad:
-    raise ValueError(f"mesh: axis sizes must be >= 1 or -1, got {bad}.")
+    raise ConfigError(f"mesh: axis sizes must be >= 1 or -1, got {bad}.")
   known = math.prod(s for s in shape.values() if s != -1)
   if unknown:
     if per_slice % known:
-      raise ValueError(
+      raise ConfigError(
         f"mesh: cannot fill axis '{unknown[0]}': {per_slice} devices per slice"
         f" are not divisible by the product {known} of the other axes "
         f"{ {a: s for a, s in shape.items() if s != -1} }."
       )
     shape[unknown[0]] = per_slice // known
   elif known != per_slice:
-    raise ValueError(
+    raise ConfigError(
       f"mesh: axis sizes {shape} multiply to {known}, but there are "
       f"{per_slice} devices per slice ({num_devices} devices, "
       f"{dcn_total} slices)."

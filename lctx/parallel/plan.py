@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 
 from jax.sharding import Mesh
 
+from lctx.errors import ConfigError
 from lctx.kernels import BACKENDS, cpu_fused
 from lctx.parallel import memory_model
 from lctx.parallel import mesh as mesh_lib
@@ -77,14 +78,14 @@ class KernelOptions:
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
-      raise ValueError(f"attention_backend must be one of {BACKENDS}; got {self.backend!r}")
+      raise ConfigError(f"attention_backend must be one of {BACKENDS}; got {self.backend!r}")
     for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
       value = getattr(self, name)
       optional = name.endswith("_bwd")
       if (value is None and optional) or (isinstance(value, int) and value >= 1):
         continue
       kind = "None or a positive int" if optional else "a positive int"
-      raise ValueError(f"attention_{name} must be {kind}; got {value!r}")
+      raise ConfigError(f"attention_{name} must be {kind}; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +190,7 @@ def make_context_plan(
   anything compiles.
   """
   if strategy not in (*PLAN_STRATEGIES, "auto"):
-    raise ValueError(
+    raise ConfigError(
       f"[unknown-strategy] context_parallel_strategy {strategy!r} is not one of "
       f"{(*PLAN_STRATEGIES, 'auto')}"
     )
@@ -221,14 +222,14 @@ def make_context_plan(
     load_balance = default_load_balance(strategy)
   if strategy == "none":
     if degree > 1:
-      raise ValueError(
+      raise ConfigError(
         "[none-needs-no-context] context_parallel_strategy='none' needs context = "
         f"context_ulysses = 1, got mesh {shape}"
       )
     if load_balance:
-      raise ValueError("[none-load-balance] strategy 'none' has no ring to balance")
+      raise ConfigError("[none-load-balance] strategy 'none' has no ring to balance")
     if head_chunks is not None or stage_projections:
-      raise ValueError(
+      raise ConfigError(
         "[head-chunks] ulysses_head_chunks / ulysses_stage_projections stage the ulysses "
         "all-to-all; strategy 'none' has none"
       )

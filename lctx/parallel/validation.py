@@ -1,11 +1,13 @@
 """One check of strategy x mesh x heads x length x load balancing, before compile.
 
-Every failure is a ValueError whose message starts with the rule's name in
+Every failure is a ConfigError (a ValueError) whose message starts with the rule's name in
 brackets and gives the numbers, e.g.
 `[ulysses-heads] q heads per tensor shard (6) must be divisible by ...`.
 """
 
 from __future__ import annotations
+
+from lctx.errors import ConfigError
 
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
 # Strategies that only use the `context` axis (the a2a/ring over the second axis is usp's).
@@ -51,7 +53,7 @@ def validate_context_parallel(
     load_balance: whether the batch is in zigzag order.
   """
   if strategy not in STRATEGIES:
-    raise ValueError(
+    raise ConfigError(
       f"[unknown-strategy] context_parallel_strategy {strategy!r} is not one of "
       f"{STRATEGIES} ('auto' is resolved by choose_strategy before validation)"
     )
@@ -61,58 +63,58 @@ def validate_context_parallel(
   degree = c * u
 
   if strategy in _SINGLE_AXIS and u != 1:
-    raise ValueError(
+    raise ConfigError(
       f"[single-context-axis] strategy {strategy!r} runs over the 'context' axis only; "
       f"context_ulysses must be 1, got {u} (use 'usp' for ring x ulysses)"
     )
   if strategy in ("ring", "ulysses") and c == 1:
-    raise ValueError(
+    raise ConfigError(
       f"[context-degree] strategy {strategy!r} needs a context degree > 1; got context = {c}"
     )
   if strategy == "usp" and (c == 1 or u == 1):
-    raise ValueError(
+    raise ConfigError(
       f"[usp-factors] usp needs ring degree (context) > 1 and ulysses degree "
       f"(context_ulysses) > 1; got context = {c}, context_ulysses = {u}"
     )
   if n % tp != 0:
-    raise ValueError(f"[tensor-heads] q heads ({n}) must be divisible by tensor ({tp})")
+    raise ConfigError(f"[tensor-heads] q heads ({n}) must be divisible by tensor ({tp})")
   if k % tp != 0 and k != 1:
-    raise ValueError(
+    raise ConfigError(
       f"[tensor-heads] kv heads ({k}) must be divisible by tensor ({tp}) "
       f"(or be 1: MQA, replicated over tensor)"
     )
   if strategy in ("ulysses", "usp"):
     a2a = c if strategy == "ulysses" else u
     if k == 1:
-      raise ValueError(
+      raise ConfigError(
         f"[ulysses-mqa] {strategy} all-to-all needs more than one kv head; MQA "
         f"(kv heads = 1) cannot be split over the ulysses degree {a2a}; use ring "
         f"or all_gather"
       )
     n_local, k_local = n // tp, k // tp
     if n_local % a2a != 0 or k_local % a2a != 0:
-      raise ValueError(
+      raise ConfigError(
         f"[ulysses-heads] q heads per tensor shard ({n} / tensor {tp} = {n_local}) "
         f"and kv heads per tensor shard ({k} / {tp} = {k_local}) must both be "
         f"divisible by the ulysses degree {a2a}"
       )
   if load_balance:
     if strategy == "ulysses":
-      raise ValueError(
+      raise ConfigError(
         "[ulysses-load-balance] ulysses work is already balanced (every device "
         "sees the full sequence); load_balance must be False"
       )
     if c % 2 != 0:
-      raise ValueError(
+      raise ConfigError(
         f"[odd-ring-load-balance] zigzag load balancing needs an even ring size (context); got {c}"
       )
     if seq_len % (2 * c) != 0:
-      raise ValueError(
+      raise ConfigError(
         f"[seq-divisible] with load balancing the sequence length ({seq_len}) must "
         f"be divisible by 2 x ring size (context) = 2 x {c} = {2 * c}"
       )
   if seq_len % degree != 0:
-    raise ValueError(
+    raise ConfigError(
       f"[seq-divisible] sequence length ({seq_len}) must be divisible by the context "
       f"degree {degree} (context {c} x context_ulysses {u})"
     )

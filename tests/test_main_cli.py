@@ -1,0 +1,165 @@
+"""main.py as a new user meets it: a subprocess per command, stderr read whole.
+
+The environment is the user's, not the test suite's: JAX_PLATFORMS and XLA_FLAGS
+(set by conftest.py) are removed, so main.py's own platform choice is what runs.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lctx import errors, progress
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Plugin noise a CPU run must not print: the CUDA plugin's traceback, libtpu's error.
+PLUGIN_NOISE = ("Traceback", "E0000")
+
+
+def _main(*args):
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  return subprocess.run(
+    [sys.executable, os.path.join(ROOT, "main.py"), *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+
+
+def test_local_run_prints_no_plugin_errors(tmp_path):
+  proc = _main(
+    "--gin_file=gin/local_cpu.gin",
+    f"--workdir={tmp_path}",
+    "--gin_param=TrainConfig.steps = 1",
+    "--gin_param=TrainConfig.seq_len = 256",
+    "--gin_param=TrainConfig.log_every = 1",
+    "--gin_param=TrainConfig.eval_every = 0",
+    "--gin_param=TrainConfig.checkpoint_every = 0",
+    "--gin_param=experiment.evals = None",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for noise in PLUGIN_NOISE:
+    assert noise not in proc.stderr, proc.stderr[-3000:]
+  assert "on 8 devices (cpu)" in proc.stderr  # LOCAL_DEVICES, on the CPU platform
+  with open(tmp_path / "metrics.jsonl") as f:
+    assert [json.loads(line)["step"] for line in f if '"loss"' in line] == [1]
+
+
+@pytest.mark.parametrize(
+  "args, cause, fix",
+  [
+    (
+      ["--gin_file=gin/local_cpu.gin", "--gin_param=TrainConfig.seqlen=5"],
+      "doesn't have a parameter named 'seqlen'",
+      "Did you mean TrainConfig.seq_len?",
+    ),
+    (
+      ["--gin_file=gin/local_cpu_typo.gin"],
+      "gin file 'gin/local_cpu_typo.gin' not found",
+      "Did you mean gin/local_cpu.gin?",
+    ),
+    (
+      ["--mode=compile", "--gin_file=gin/local_cpu.gin"],
+      "--mode=compile needs a target",
+      "Pass --compile_topology=",
+    ),
+    (
+      [
+        "--gin_file=gin/local_cpu.gin",
+        "--gin_param=TrainConfig.context_parallel_strategy = 'ulysses'",
+        "--gin_param=MeshConfig.data = 1",
+        "--gin_param=MeshConfig.context = 8",
+      ],
+      "[ulysses-heads]",
+      "--gin_param",
+    ),
+  ],
+  ids=["gin-typo", "missing-file", "compile-no-target", "invalid-strategy"],
+)
+def test_bad_input_is_one_line(args, cause, fix, tmp_path):
+  proc = _main(*args, f"--workdir={tmp_path}")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  lines = [line for line in proc.stderr.splitlines() if cause in line]
+  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+  assert fix in lines[0]
+
+
+def test_wrong_hardware_names_the_target_and_the_command(tmp_path):
+  proc = _main("--gin_file=gin/usp_ironwood.gin", f"--workdir={tmp_path}")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+  assert "gin/usp_ironwood.gin is for tpu7x:4x4x4 (128 devices)" in line
+  assert re.search(r"this machine has \d+ .+ devices", line), line
+  assert "python main.py --mode=compile --gin_file=gin/usp_ironwood.gin" in line
+  for noise in PLUGIN_NOISE:
+    assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+# The gin files' dtypes and strategy, a one-layer model: seconds of compile.
+TINY = [
+  "ModelConfig.vocab_size = 384",
+  "ModelConfig.d_model = 128",
+  "ModelConfig.num_layers = 1",
+  "ModelConfig.num_heads = 4",
+  "ModelConfig.num_kv_heads = 2",
+  "ModelConfig.head_dim = 32",
+  "ModelConfig.mlp_dim = 384",
+  "ModelConfig.mlp_chunk_size = None",
+  "TrainConfig.seq_len = 16384",
+  "TrainConfig.loss_chunk_size = 1024",
+  "TrainConfig.attention_block_q = 512",
+  "TrainConfig.attention_block_kv = 512",
+]
+
+
+def test_compile_takes_the_slice_the_file_names(tmp_path):
+  """No --compile_topology: ring_v5p.gin's own COMPILE_TOPOLOGY (v5p:4x4x4, 64
+  devices) with its own mesh; the heartbeat names the phases."""
+  proc = _main(
+    "--mode=compile",
+    "--gin_file=gin/ring_v5p.gin",
+    f"--workdir={tmp_path}",
+    *(f"--gin_param={p}" for p in TINY),
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / "compile.json") as f:
+    record = json.load(f)
+  assert (record["topology"], record["devices"], record["fits"]) == ("v5p:4x4x4", 64, True)
+  assert "compile v5p:4x4x4: compiling (lowering took" in proc.stderr
+  for noise in PLUGIN_NOISE:
+    assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_heartbeat_beats_while_the_work_runs(monkeypatch):
+  lines = []
+  monkeypatch.setattr(progress.logging, "info", lambda fmt, *a: lines.append(fmt % a))
+  with progress.Heartbeat("compile x", every=0.02) as beat:
+    beat.phase("compiling")
+    deadline = time.monotonic() + 30
+    while sum("still compiling" in line for line in lines) < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+  assert lines[0] == "compile x: lowering"
+  assert lines[1].startswith("compile x: compiling (lowering took")
+  assert sum("still compiling" in line for line in lines) >= 2, lines
+  count = len(lines)
+  time.sleep(0.1)
+  assert len(lines) == count  # the thread stopped with the block
+
+
+def test_only_input_errors_become_one_line():
+  """What config_phase turns into a ConfigError, and what it leaves a bug."""
+  for user_error in (ValueError("bad value"), FileNotFoundError("no file"), SyntaxError("gin")):
+    with pytest.raises(errors.ConfigError), errors.config_phase():
+      raise user_error
+  with pytest.raises(RuntimeError), errors.config_phase():
+    raise RuntimeError("a bug")
+  assert issubclass(errors.ConfigError, ValueError)  # callers catching ValueError still do
+  line = errors.one_line(errors.ConfigError("two\nlines", fix="Do this."))
+  assert line == "error: two lines Do this."

@@ -192,13 +192,15 @@ def _flops(cfg: _Cfg, q, v, t, s, tp, sp, segment_ids, q_positions, kv_positions
   padded lengths (tp, sp) at its true size, the last one shorter."""
   b, n, h, vd = q.shape[0], q.shape[2], q.shape[3], v.shape[3]
   seg, qp, kp = flop_tags.known_mask(segment_ids, q_positions, kv_positions)
-  with jax.ensure_compile_time_eval():
-    # The padded rows and keys as _setup pads them: segment 0, position 0.
-    mask = normalize_mask_args(b, t, s, seg, qp, kp, cfg.window or None)
-    q_seg = mask.q_segment_ids if mask.q_segment_ids is not None else np.ones((b, t), np.int32)
-    kv_seg = mask.kv_segment_ids if mask.kv_segment_ids is not None else np.ones((b, s), np.int32)
-    pads = [pad_axis(x, n_, 1) for x, n_ in ((q_seg, tp), (mask.q_positions, tp))]
-    kpads = [pad_axis(x, n_, 1) for x, n_ in ((kv_seg, sp), (mask.kv_positions, sp))]
+  q_seg, kv_seg = seg if isinstance(seg, tuple) else (seg, seg)
+
+  def padded(x, length, to, default):
+    x = np.broadcast_to(default if x is None else np.asarray(x), (b, length))
+    return np.pad(x, ((0, 0), (0, to - length)))  # as _setup pads: segment 0, position 0
+
+  one_q, one_kv = np.ones(t, np.int32), np.ones(s, np.int32)
+  pads = [padded(q_seg, t, tp, one_q), padded(qp, t, tp, np.arange(t))]
+  kpads = [padded(kv_seg, s, sp, one_kv), padded(kp, s, sp, np.arange(s))]
   out = {}
   for name, bq, bk, per_pair in (
     ("fwd_flops", cfg.block_q, cfg.block_kv, flop_tags.forward_pair_flops(h, vd)),
@@ -208,9 +210,9 @@ def _flops(cfg: _Cfg, q, v, t, s, tp, sp, segment_ids, q_positions, kv_positions
       b,
       tp,
       sp,
-      (np.asarray(pads[0]), np.asarray(kpads[0])),
-      np.asarray(pads[1]),
-      np.asarray(kpads[1]),
+      (pads[0], kpads[0]),
+      pads[1],
+      kpads[1],
       cfg.causal,
       cfg.window or None,
       bq,

@@ -37,11 +37,9 @@ import contextlib
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lctx.kernels.block_map import block_map, block_stats
-from lctx.kernels.masking import normalize_mask_args, pad_axis
 
 ATTENTION_SCOPE = "lctx_attention"
 FLOPS_TAG = "lctx_flops="
@@ -134,20 +132,29 @@ def live_map(b, t, s, segment_ids, q_positions, kv_positions, causal, window_siz
   """`[nq, nk]` float: how many examples of the batch compute each bq x bk block,
   by block_map.py's rule on the mask inputs known at trace time (traced ones:
   one document in natural positions), the lengths padded to whole blocks with
-  padding (segment 0, position 0) as the blockwise kernel pads them."""
+  padding (segment 0, position 0) as the blockwise kernel pads them. Evaluated
+  with numpy on the host."""
   seg, qp, kp = known_mask(segment_ids, q_positions, kv_positions)
   nq, nk = -(-t // bq), -(-s // bk)
-  with jax.ensure_compile_time_eval():
-    mask = normalize_mask_args(b, t, s, seg, qp, kp, window_size)
-    q_seg, kv_seg = mask.q_segment_ids, mask.kv_segment_ids
-    if (nq * bq != t or nk * bk != s) and q_seg is None:
-      q_seg, kv_seg = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
-    qp, kp = pad_axis(mask.q_positions, nq * bq, 1), pad_axis(mask.kv_positions, nk * bk, 1)
-    if q_seg is not None:
-      q_seg, kv_seg = pad_axis(q_seg, nq * bq, 1), pad_axis(kv_seg, nk * bk, 1)
-    total = np.zeros((nq, nk))
-    for i in range(b):
-      qs = block_stats(qp[i].reshape(nq, bq), None if q_seg is None else q_seg[i].reshape(nq, bq))
-      ks = block_stats(kp[i].reshape(nk, bk), None if kv_seg is None else kv_seg[i].reshape(nk, bk))
-      total += np.asarray(block_map(qs, ks, causal, window_size)[0])
+
+  def rows(x, length, default):
+    x = np.broadcast_to(default if x is None else np.asarray(x, np.int64), (b, length))
+    return np.pad(x, ((0, 0), (0, (nq * bq if length == t else nk * bk) - length)))
+
+  if isinstance(seg, tuple):
+    q_seg, kv_seg = seg
+  else:
+    q_seg = kv_seg = seg
+  if q_seg is None and (nq * bq != t or nk * bk != s):
+    q_seg, kv_seg = np.ones((b, t), np.int64), np.ones((b, s), np.int64)
+  qp, kp = rows(qp, t, np.arange(t)), rows(kp, s, np.arange(s))
+  q_seg = None if q_seg is None else rows(q_seg, t, None)
+  kv_seg = None if kv_seg is None else rows(kv_seg, s, None)
+  total = np.zeros((nq, nk))
+  for i in range(b):
+    qs = block_stats(qp[i].reshape(nq, bq), None if q_seg is None else q_seg[i].reshape(nq, bq), np)
+    ks = block_stats(
+      kp[i].reshape(nk, bk), None if kv_seg is None else kv_seg[i].reshape(nk, bk), np
+    )
+    total += block_map(qs, ks, causal, window_size, np)[0]
   return total

@@ -113,13 +113,14 @@ class TokenOrder:
     z = self.zigzag
     return np.array([c for r in range(z) for c in (r, 2 * z - 1 - r)] or [0], np.int32)
 
-  def natural(self, p):
-    """Natural token index of global array index p (int32, traced or not)."""
+  def natural(self, p, xp=jnp):
+    """Natural token index of global array index p (int32, traced or not; xp=np
+    for host arrays)."""
     if not self.zigzag:
       return p
     slot, off = p // self.chunk, p % self.chunk
     r = slot // 2
-    return jnp.where(slot % 2 == 0, r, 2 * self.zigzag - 1 - r) * self.chunk + off
+    return xp.where(slot % 2 == 0, r, 2 * self.zigzag - 1 - r) * self.chunk + off
 
 
 @functools.partial(
@@ -237,18 +238,19 @@ def _sizes(cfg: _Cfg, t: int, s: int):
   )
 
 
-def _block_classes(cfg: _Cfg, qseq, bq: int, kv_len: int, bkv: int):
+def _block_classes(cfg: _Cfg, qseq, bq: int, kv_len: int, bkv: int, xp=jnp):
   """`[nq, nk]` int32: 0 = no visible pair (skipped), 1 = partial, 2 = all visible,
-  from each q block's min/max natural index (relative to the kv run start)."""
+  from each q block's min/max natural index (relative to the kv run start).
+  xp: jnp, or numpy to evaluate on the host at trace time (FLOP counts)."""
   nq, nk = qseq.shape[0] // bq, kv_len // bkv
   if cfg.mask_fn is None:
-    return jnp.full((nq, nk), 2, jnp.int32)
+    return xp.full((nq, nk), 2, xp.int32)
   qb = qseq.reshape(nq, bq)
   qmin, qmax = qb.min(axis=1)[:, None], qb.max(axis=1)[:, None]
-  kmin = (jnp.arange(nk, dtype=jnp.int32) * bkv)[None, :]
+  kmin = (xp.arange(nk, dtype=xp.int32) * bkv)[None, :]
   kmax = kmin + (bkv - 1)
-  empty = jnp.zeros((nq, nk), bool)
-  full = jnp.ones((nq, nk), bool)
+  empty = xp.zeros((nq, nk), bool)
+  full = xp.ones((nq, nk), bool)
   if cfg.causal:
     empty = empty | (qmax < kmin)
     full = full & (qmin >= kmax)
@@ -259,7 +261,7 @@ def _block_classes(cfg: _Cfg, qseq, bq: int, kv_len: int, bkv: int):
     if not cfg.causal:
       empty = empty | (kmin - qmax >= w)
       full = full & (kmax - qmin < w)
-  return jnp.where(empty, 0, jnp.where(full, 2, 1)).astype(jnp.int32)
+  return xp.where(empty, 0, xp.where(full, 2, 1)).astype(xp.int32)
 
 
 def _next_live(live_flat, minor: int):
@@ -315,7 +317,7 @@ def _segment_ids(q_seg, kv_seg):
   return _sk().SegmentIds(q=jnp.where(q_seg == 0, -1, q_seg), kv=jnp.where(kv_seg == 0, -2, kv_seg))
 
 
-def _run_starts(cfg: _Cfg, s: int, kv_start) -> list[tuple[int, object]]:
+def _run_starts(cfg: _Cfg, s: int, kv_start, xp=jnp) -> list[tuple[int, object]]:
   """The kv runs of an s-row kv slice at array index kv_start: [(array offset in
   the slice, natural start)]; each run is `_kv_run` rows (s for a whole zigzag
   sequence, which is put back in natural order as one run)."""
@@ -323,7 +325,7 @@ def _run_starts(cfg: _Cfg, s: int, kv_start) -> list[tuple[int, object]]:
   if o.zigzag and s == o.length:
     return [(0, 0)]
   r = _kv_run(o, s)
-  return [(j * r, o.natural(kv_start + j * r)) for j in range(s // r)]
+  return [(j * r, o.natural(kv_start + j * r, xp)) for j in range(s // r)]
 
 
 def _runs(cfg: _Cfg, k, v, kv_seg, kv_start):
@@ -356,6 +358,10 @@ def _merge(o1, l1, o2, l2):
   lse = jnp.logaddexp(l1, l2)
   w1, w2 = jnp.exp(l1 - lse)[..., None], jnp.exp(l2 - lse)[..., None]
   return o1 * w1 + o2 * w2, lse
+
+
+def _q_natural_np(cfg: _Cfg, q_start: int, t: int) -> np.ndarray:
+  return cfg.order.natural(q_start + np.arange(t, dtype=np.int64), np)
 
 
 def _q_natural(cfg: _Cfg, q_start, t: int):
@@ -658,21 +664,20 @@ def _call_flops(cfg: _Cfg, q, k, v, q_start, kv_start, passes) -> list[float]:
   b, n, t, _ = q.shape
   s = k.shape[2]
   totals, calls, samples = [0.0] * len(passes), 0, 0
-  with jax.ensure_compile_time_eval():
-    for qs in _possible_starts(q_start, t, cfg.order):
-      qnat = np.asarray(_q_natural(cfg, qs, t))
-      for ks in _possible_starts(kv_start, s, cfg.order):
-        samples += 1
-        calls, r = 0, _kv_run(cfg.order, s)
-        for _, nat in _run_starts(cfg, s, ks):
-          tq, ts = _tiles(cfg, t, r)
-          calls += (t // tq) * (r // ts)
-          sizes = _sizes(cfg, tq, ts)
-          qseq = jnp.asarray(qnat - int(nat), jnp.int32)
-          for i, (bq_name, bk_name, per_pair) in enumerate(passes):
-            bq, bk = getattr(sizes, bq_name), getattr(sizes, bk_name)
-            live = np.asarray(_block_classes(cfg, qseq, bq, r, bk)) > 0
-            totals[i] += b * n * flop_tags.block_pairs(live, t, r, bq, bk) * per_pair
+  for qs in _possible_starts(q_start, t, cfg.order):
+    qnat = _q_natural_np(cfg, qs, t)
+    for ks in _possible_starts(kv_start, s, cfg.order):
+      samples += 1
+      calls, r = 0, _kv_run(cfg.order, s)
+      for _, nat in _run_starts(cfg, s, ks, xp=np):
+        tq, ts = _tiles(cfg, t, r)
+        calls += (t // tq) * (r // ts)
+        sizes = _sizes(cfg, tq, ts)
+        qseq = qnat - int(nat)
+        for i, (bq_name, bk_name, per_pair) in enumerate(passes):
+          bq, bk = getattr(sizes, bq_name), getattr(sizes, bk_name)
+          live = _block_classes(cfg, qseq, bq, r, bk, xp=np) > 0
+          totals[i] += b * n * flop_tags.block_pairs(live, t, r, bq, bk) * per_pair
   return [x / samples / max(calls, 1) for x in totals]
 
 

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 
 # Read when libtpu loads (the first topology call), so before any test runs.
@@ -281,7 +282,172 @@ def test_tiny_train_step_does_at_least_six_flops_per_parameter_and_token(tmp_pat
   ratio = record["matmul_flops_per_device"] / per_device
   assert 6 <= ratio <= 10, ratio
   assert record["unknown_trip_count_loops"] == 0
-  assert record["kernel_custom_calls"] > 0  # splash
+  # splash's calls carry their block-map FLOPs (lctx/kernels/flop_tags.py): none is
+  # left uncounted, and attention adds to the matmuls.
+  assert record["kernel_custom_calls"] == 0 and record["attention_flops_per_device"] > 0
   # cost_analysis() counts loop bodies once: below the real figure.
   assert record["flops_per_device"] < record["matmul_flops_per_device"]
   assert "matmul FLOPs per device" in compile_lib.summary(record)
+
+
+# ----------------------------------------------------------------------------
+# Attention FLOPs, counted from each kernel's own block map (lctx/kernels/flop_tags.py)
+# ----------------------------------------------------------------------------
+B, T, NQ, NKV, HD, BLOCK = 1, 1024, 4, 2, 128, 256
+PAIRS = BLOCK * BLOCK  # (query, key) pairs of one computed block
+# Live 256 x 256 blocks of a 1024-token call (4 x 4 blocks), by hand:
+CAUSAL_BLOCKS = 4 + 3 + 2 + 1  # the lower triangle with its diagonal
+# window 300: q block i reaches kv block j <= i while 256 (i - j) - 255 < 300,
+# i.e. j >= i - 2: rows see 1, 2, 3, 3 blocks.
+WINDOW, WINDOW_BLOCKS = 300, 1 + 2 + 3 + 3
+# Two documents of 512 tokens: each keeps its own causal triangle of 2 blocks (3 live).
+PACKED_SEGMENTS = np.repeat(np.array([[1, 2]], np.int32), 512, axis=1)
+PACKED_BLOCKS = 3 + 3
+FWD = 2 * HD + 2 * HD  # QK^T + PV per pair and q head
+FA2_BWD = 6 * HD + 4 * HD  # S, dP, dV, dQ, dK
+SPLASH_BWD = (4 * HD + 4 * HD) + (4 * HD + 2 * HD)  # dkv pass + dq pass
+
+
+def _attention_count(
+  device,
+  backend,
+  dtype,
+  *,
+  window=None,
+  segments=None,
+  traced_segments=False,
+  layers=1,
+  remat=False,
+):
+  """hlo_flops' count of one compiled forward + backward of flash_attention on
+  `device`; `layers` > 1 runs it in a scan of that many steps (jax.checkpoint on
+  the step with remat: its forward runs again in the backward)."""
+  from lctx import kernels  # pylint: disable=g-import-not-at-top
+
+  def loss(q, k, v, *traced):
+    seg = traced[0] if traced else segments
+
+    def step(c, _):
+      out = kernels.flash_attention(
+        c,
+        k,
+        v,
+        backend=backend,
+        block_q=BLOCK,
+        block_kv=BLOCK,
+        segment_ids=seg,
+        window_size=window,
+        platform=device.platform,
+      )
+      return out.astype(c.dtype), None
+
+    step = jax.checkpoint(step) if remat else step
+    return jnp.sum(lax.scan(step, q, None, length=layers)[0].astype(jnp.float32))
+
+  sharding = SingleDeviceSharding(device)
+  shapes = [(B, T, NQ, HD), (B, T, NKV, HD), (B, T, NKV, HD)]
+  args = [jax.ShapeDtypeStruct(x, dtype, sharding=sharding) for x in shapes]
+  if traced_segments:
+    args.append(jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  return hlo_flops.matmul_flops(compiled.as_text())
+
+
+def _expected(blocks, bwd, calls=1):
+  return calls * B * NQ * blocks * PAIRS * (FWD + bwd)
+
+
+CASES = {
+  "causal": (dict(), CAUSAL_BLOCKS),
+  "window": (dict(window=WINDOW), WINDOW_BLOCKS),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_splash_attention_flops(device, case):
+  """splash (Mosaic calls on the TPU compiler): forward, dkv and dq passes."""
+  kw, blocks = CASES[case]
+  out = _attention_count(device, "splash", jnp.bfloat16, **kw)
+  assert out["attention_kernel_flops"] == _expected(blocks, SPLASH_BWD)
+  assert out["kernel_calls_counted"] == 3 and out["custom_calls"] == 0
+
+
+def test_splash_packed_rows_cost_the_causal_map(device):
+  """Segment ids reach splash inside visited blocks only: its block map (so its
+  work) is the causal one, whether the ids are traced or known."""
+  traced = _attention_count(device, "splash", jnp.bfloat16, traced_segments=True)
+  known = _attention_count(device, "splash", jnp.bfloat16, segments=PACKED_SEGMENTS)
+  assert (
+    traced["attention_flops"] == known["attention_flops"] == _expected(CAUSAL_BLOCKS, SPLASH_BWD)
+  )
+
+
+def test_splash_in_a_rematerialised_scan(device):
+  """Kernel FLOPs multiply by the loop's trip count, and a checkpointed step's
+  forward runs twice."""
+  out = _attention_count(device, "splash", jnp.bfloat16, layers=3, remat=True)
+  assert out["attention_flops"] == 3 * B * NQ * CAUSAL_BLOCKS * PAIRS * (2 * FWD + SPLASH_BWD)
+
+
+@pytest.fixture(scope="module")
+def cpu():
+  return jax.devices("cpu")[0]
+
+
+def _cpu_kernel_or_skip():
+  from lctx.kernels import cpu_fused  # pylint: disable=g-import-not-at-top
+
+  if not cpu_fused.available():
+    pytest.skip(f"fused CPU kernel unavailable: {cpu_fused.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "cpu"])
+@pytest.mark.parametrize(
+  "case",
+  [
+    ("causal", dict(), CAUSAL_BLOCKS),
+    ("window", dict(window=WINDOW), WINDOW_BLOCKS),
+    # Segment ids known at trace time: cross-document blocks are skipped.
+    ("packed", dict(segments=PACKED_SEGMENTS), PACKED_BLOCKS),
+    # A traced batch's segments are unknown: one document (the upper bound).
+    ("packed_traced", dict(traced_segments=True), CAUSAL_BLOCKS),
+  ],
+  ids=lambda c: c if isinstance(c, str) else c[0],
+)
+def test_blockwise_and_cpu_attention_flops(cpu, backend, case):
+  """blockwise: its live-block loops run the tagged mean trip count (matmuls in
+  HLO); cpu: one tagged FFI call forward, one backward."""
+  if backend == "cpu":
+    _cpu_kernel_or_skip()
+  _, kw, blocks = case
+  out = _attention_count(cpu, backend, jnp.float32, **kw)
+  assert out["attention_flops"] == _expected(blocks, FA2_BWD)
+  if backend == "blockwise":
+    assert out["estimated_trip_count_loops"] == 2 and out["unknown_trip_count_loops"] == 0
+    assert out["attention_dot_flops"] == out["attention_flops"]
+  else:
+    assert out["kernel_calls_counted"] == 2
+
+
+def test_blockwise_in_a_scan(cpu):
+  out = _attention_count(cpu, "blockwise", jnp.float32, layers=3)
+  assert out["attention_flops"] == _expected(CAUSAL_BLOCKS, FA2_BWD, calls=3)
+
+
+CUDNN_HLO = """HloModule cudnn
+
+ENTRY %main (q: bf16[1,1024,4,128]) -> bf16[1,1024,4,128] {
+  %q = bf16[1,1024,4,128]{3,2,1,0} parameter(0)
+  %f = (bf16[1,4,1024,128]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(f)/lctx_attention/lctx_flops=100/lctx_bwd_flops=250/dot_product_attention"}
+  %o = bf16[1,4,1024,128]{3,2,1,0} get-tuple-element(%f), index=0
+  %b = (bf16[1,4,1024,128]{3,2,1,0}, u8[0]{0}) custom-call(%o, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", metadata={op_name="jit(f)/transpose(jvp(lctx_attention))/lctx_flops=100/lctx_bwd_flops=250/dot_product_attention"}
+  ROOT %r = bf16[1,1024,4,128]{3,2,1,0} bitcast(%o)
+}
+"""
+
+
+def test_cudnn_calls_take_their_pass_tag():
+  """cuDNN's backward call is emitted by jax under the forward's scope: the
+  backward target takes lctx_bwd_flops."""
+  out = hlo_flops.matmul_flops(CUDNN_HLO)
+  assert out["attention_kernel_flops"] == 100 + 250 and out["kernel_calls_counted"] == 2

@@ -288,6 +288,38 @@ def test_tiny_train_step_does_at_least_six_flops_per_parameter_and_token(tmp_pat
   # cost_analysis() counts loop bodies once: below the real figure.
   assert record["flops_per_device"] < record["matmul_flops_per_device"]
   assert "matmul FLOPs per device" in compile_lib.summary(record)
+  # The step's FLOPs, bytes and time (compile.json keys).
+  total = record["dense_flops_per_device"] + record["attention_flops_per_device"]
+  assert record["total_flops_per_device"] == total
+  model = exp.model.flops_per_token(exp.train.seq_len) * record["tokens_per_step"] / 4
+  assert record["model_flops_per_device"] == pytest.approx(model)
+  # splash's backward (3.5 x its forward, not the formula's 2 x), the nested
+  # remat's recomputed forwards and whole diagonal blocks all cost more.
+  assert 1.5 < record["recompute_ratio"] == total / model < 3
+  assert record["collective_bytes_per_device"] > 0
+  assert record["collective_bytes_by_kind"]["all-to-all"] > 0  # usp's ulysses part
+  assert record["collective_bytes_by_kind"]["collective-permute"] > 0  # its ring part
+  assert set(record["collective_bytes_by_axis"]) <= {
+    "context",
+    "context_ulysses",
+    "context+context_ulysses",
+  }
+  assert record["dcn_bytes_per_device"] == 0  # one slice
+  # offload_layer_inputs: the bf16 layer inputs go out once and come back once.
+  host = record["host_transfer_bytes_per_device"]
+  groups = exp.model.num_layers // exp.model.remat_group_size
+  per_device_tokens = record["tokens_per_step"] // record["devices"]
+  assert host["to_host"] == host["to_device"] == groups * per_device_tokens * 128 * 2
+  bounds = record["step_time_bounds"]
+  assert record["step_seconds_lower_bound"] == max(bounds.values())
+  assert bounds["flops_seconds"] == pytest.approx(total / 459e12)
+  assert record["step_seconds_estimate"] == pytest.approx(
+    record["step_seconds_lower_bound"] / record["step_time_efficiency"]
+  )
+  assert record["tokens_per_second_estimate"] == pytest.approx(
+    record["tokens_per_step"] / record["step_seconds_estimate"]
+  )
+  assert "step time ESTIMATE" in compile_lib.summary(record)
 
 
 # ----------------------------------------------------------------------------

@@ -398,7 +398,8 @@ def array_leaves(shape: str) -> list[tuple[float, bool]]:
 
 
 _REPLICA_GROUPS = re.compile(
-  r"\breplica_groups=(\{\{[^=]*?\}\}|\{\}|\[[^\s,]*(?:,\d+)*\]<=\[[\d,]*\](?:T\([\d,]*\))?)"
+  r"\breplica_groups=(\{\{[^=]*?\}\}|\{\}|mesh\[[^\]]*\]\s*\{[^}]*\}"
+  r"|\[[^\s,]*(?:,\d+)*\]<=\[[\d,]*\](?:T\([\d,]*\))?)"
 )
 _PAIRS = re.compile(r"\bsource_target_pairs=(\{\{[^=]*?\}\})")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -410,6 +411,14 @@ def expand_groups(text: str, num_devices: int) -> list[list[int]]:
   lists of device (partition) ids."""
   if text in ("", "{}"):
     return [list(range(num_devices))]
+  if text.startswith("mesh["):  # mesh['a'=2,'b'=4] {'b'}: groups along the listed axes
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", text)]
+    along = re.findall(r"'([^']+)'", text[text.index("]") :])
+    ids = np.arange(math.prod(n for _, n in axes)).reshape([n for _, n in axes] or [1])
+    names = [a for a, _ in axes]
+    order = [names.index(a) for a in names if a not in along] + [names.index(a) for a in along]
+    size = math.prod(n for a, n in axes if a in along)
+    return ids.transpose(order).reshape(-1, size).tolist()
   if text.startswith("{"):
     return [
       [int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text)
@@ -439,6 +448,8 @@ def collective(comp: Computation, instr: Instr) -> tuple[str, str, float] | None
   if op == "collective-permute":
     m = _PAIRS.search(instr.attrs)
     return op, m.group(1) if m else "", float(x)
+  if op == "all-reduce" and _into_zeros(comp, instr):
+    op = "all-gather"  # written as an all-reduce of one slice placed into zeros
   m = _REPLICA_GROUPS.search(instr.attrs)
   groups = m.group(1) if m else "{}"
   n = len(expand_groups(groups, 1 << 20)[0]) if groups != "{}" else 0
@@ -446,13 +457,24 @@ def collective(comp: Computation, instr: Instr) -> tuple[str, str, float] | None
     n_frac = 1.0
   else:
     n_frac = (n - 1) / n
+  gathered = x / n if instr.opcode.startswith("all-reduce") and n else x
   moved = {
-    "all-gather": x * (n - 1) if n else x,
+    "all-gather": gathered * (n - 1) if n else x,
     "reduce-scatter": x * n_frac,
     "all-to-all": x * n_frac,
     "all-reduce": 2 * x * n_frac,
   }[op]
   return op, groups, float(moved)
+
+
+def _into_zeros(comp: Computation, instr: Instr) -> bool:
+  """Whether an all-reduce's operand is a dynamic-update-slice (possibly fused):
+  the TPU compiler's all-gather written as an all-reduce of one device's slice
+  in a zero buffer."""
+  src = comp.instrs.get(instr.operands[0][0]) if instr.operands else None
+  return src is not None and (
+    src.opcode == "dynamic-update-slice" or "dynamic-update-slice" in src.name
+  )
 
 
 def host_transfer(comp: Computation, instr: Instr) -> tuple[str, float] | None:

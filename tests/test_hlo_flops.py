@@ -483,3 +483,23 @@ def test_cudnn_calls_take_their_pass_tag():
   backward target takes lctx_bwd_flops."""
   out = hlo_flops.matmul_flops(CUDNN_HLO)
   assert out["attention_kernel_flops"] == 100 + 250 and out["kernel_calls_counted"] == 2
+
+
+def test_blockwise_shard_against_the_whole_sequence(cpu):
+  """all_gather's call: one device's 512 queries (two block rows) against all
+  1024 keys, positions traced. The count is the mean over the 2 shards the
+  queries may be: rows 0-1 (1 + 2 live blocks) or rows 2-3 (3 + 4), 5 on average."""
+  from lctx import kernels  # pylint: disable=g-import-not-at-top
+
+  def loss(q, k, v, qp, kp):
+    out = kernels.flash_attention(
+      q, k, v, q_positions=qp, kv_positions=kp, backend="blockwise", block_q=BLOCK, block_kv=BLOCK
+    )
+    return jnp.sum(out)
+
+  shapes = [(B, T // 2, NQ, HD), (B, T, NKV, HD), (B, T, NKV, HD)]
+  args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes]
+  args += [jax.ShapeDtypeStruct((B, T // 2), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.int32)]
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  out = hlo_flops.matmul_flops(compiled.as_text())
+  assert out["attention_flops"] == B * NQ * 5 * PAIRS * (FWD + FA2_BWD)

@@ -183,42 +183,23 @@ def _setup(
     _round_block(block_q_bwd or block_q, _Q_MULT, tp),
     _round_block(block_kv_bwd or block_kv, _KV_MULT, sp),
   )
-  cfg = cfg._replace(**_flops(cfg, q, v, t, s, tp, sp, segment_ids, q_positions, kv_positions))
+  cfg = cfg._replace(**_flops(cfg, q, v, t, s, segment_ids, q_positions, kv_positions))
   return pad_axis(q, tp, 1), pad_axis(k, sp, 1), pad_axis(v, sp, 1), mask_arrays, cfg
 
 
-def _flops(cfg: _Cfg, q, v, t, s, tp, sp, segment_ids, q_positions, kv_positions):
-  """fwd_flops / bwd_flops of one call: the kernel computes each live block of its
-  padded lengths (tp, sp) at its true size, the last one shorter."""
+def _flops(cfg: _Cfg, q, v, t, s, segment_ids, q_positions, kv_positions):
+  """fwd_flops / bwd_flops of one call: the live blocks of the kernel's block
+  classes (block_map.py's rule), each computed at its true size, the last one
+  shorter (the rows _setup pads on are a few, and dead)."""
   b, n, h, vd = q.shape[0], q.shape[2], q.shape[3], v.shape[3]
-  seg, qp, kp = flop_tags.known_mask(segment_ids, q_positions, kv_positions)
-  q_seg, kv_seg = seg if isinstance(seg, tuple) else (seg, seg)
-
-  def padded(x, length, to, default):
-    x = np.broadcast_to(default if x is None else np.asarray(x), (b, length))
-    return np.pad(x, ((0, 0), (0, to - length)))  # as _setup pads: segment 0, position 0
-
-  one_q, one_kv = np.ones(t, np.int32), np.ones(s, np.int32)
-  pads = [padded(q_seg, t, tp, one_q), padded(qp, t, tp, np.arange(t))]
-  kpads = [padded(kv_seg, s, sp, one_kv), padded(kp, s, sp, np.arange(s))]
   out = {}
   for name, bq, bk, per_pair in (
     ("fwd_flops", cfg.block_q, cfg.block_kv, flop_tags.forward_pair_flops(h, vd)),
     ("bwd_flops", cfg.block_q_bwd, cfg.block_kv_bwd, flop_tags.fa2_backward_pair_flops(h, vd)),
   ):
-    live = flop_tags.live_map(
-      b,
-      tp,
-      sp,
-      (pads[0], kpads[0]),
-      pads[1],
-      kpads[1],
-      cfg.causal,
-      cfg.window or None,
-      bq,
-      bk,
-    )
-    out[name] = n * flop_tags.block_pairs(live, tp, sp, bq, bk) * per_pair
+    masks = (segment_ids, q_positions, kv_positions, cfg.causal, cfg.window or None)
+    live = flop_tags.live_map(b, t, s, *masks, bq, bk)
+    out[name] = n * flop_tags.block_pairs(live, t, s, bq, bk) * per_pair
   return out
 
 

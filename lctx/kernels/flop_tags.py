@@ -133,28 +133,28 @@ def live_map(b, t, s, segment_ids, q_positions, kv_positions, causal, window_siz
   by block_map.py's rule on the mask inputs known at trace time (traced ones:
   one document in natural positions), the lengths padded to whole blocks with
   padding (segment 0, position 0) as the blockwise kernel pads them. Evaluated
-  with numpy on the host."""
+  with numpy on the host. Unknown positions of a call with fewer queries than
+  keys (all_gather's shard against the whole sequence): averaged over the s / t
+  shards the queries may be."""
   seg, qp, kp = known_mask(segment_ids, q_positions, kv_positions)
   nq, nk = -(-t // bq), -(-s // bk)
 
-  def rows(x, length, default):
+  def rows(x, length, to, default):
     x = np.broadcast_to(default if x is None else np.asarray(x, np.int64), (b, length))
-    return np.pad(x, ((0, 0), (0, (nq * bq if length == t else nk * bk) - length)))
+    return np.pad(x, ((0, 0), (0, to - length)))
 
-  if isinstance(seg, tuple):
-    q_seg, kv_seg = seg
-  else:
-    q_seg = kv_seg = seg
+  q_seg, kv_seg = seg if isinstance(seg, tuple) else (seg, seg)
   if q_seg is None and (nq * bq != t or nk * bk != s):
     q_seg, kv_seg = np.ones((b, t), np.int64), np.ones((b, s), np.int64)
-  qp, kp = rows(qp, t, np.arange(t)), rows(kp, s, np.arange(s))
-  q_seg = None if q_seg is None else rows(q_seg, t, None)
-  kv_seg = None if kv_seg is None else rows(kv_seg, s, None)
+  q_seg = None if q_seg is None else rows(q_seg, t, nq * bq, None).reshape(b, nq, bq)
+  kv_seg = None if kv_seg is None else rows(kv_seg, s, nk * bk, None).reshape(b, nk, bk)
+  kpos = rows(kp, s, nk * bk, np.arange(s)).reshape(b, nk, bk)
+  offsets = range(0, s, t) if qp is None and kp is None and t < s and s % t == 0 else [0]
   total = np.zeros((nq, nk))
-  for i in range(b):
-    qs = block_stats(qp[i].reshape(nq, bq), None if q_seg is None else q_seg[i].reshape(nq, bq), np)
-    ks = block_stats(
-      kp[i].reshape(nk, bk), None if kv_seg is None else kv_seg[i].reshape(nk, bk), np
-    )
-    total += block_map(qs, ks, causal, window_size, np)[0]
-  return total
+  for off in offsets:
+    qpos = rows(qp, t, nq * bq, off + np.arange(t)).reshape(b, nq, bq)
+    for i in range(b):
+      qs = block_stats(qpos[i], None if q_seg is None else q_seg[i], np)
+      ks = block_stats(kpos[i], None if kv_seg is None else kv_seg[i], np)
+      total += block_map(qs, ks, causal, window_size, np)[0]
+  return total / len(offsets)

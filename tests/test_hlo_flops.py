@@ -503,3 +503,63 @@ def test_blockwise_shard_against_the_whole_sequence(cpu):
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
   out = hlo_flops.matmul_flops(compiled.as_text())
   assert out["attention_flops"] == B * NQ * 5 * PAIRS * (FWD + FA2_BWD)
+
+
+COLLECTIVE_HLO = """HloModule coll
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (t: (s32[], f32[64,8])) -> (s32[], f32[64,8]) {
+  %t = (s32[], f32[64,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[64,8]{1,0} get-tuple-element(%t), index=1
+  %z = f32[64,8]{1,0} constant({...})
+  %dus = f32[64,8]{1,0} dynamic-update-slice(%z, %x, %i, %i)
+  %ag = f32[64,8]{1,0} all-reduce(%dus), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+  %cp = f32[64,8]{1,0} collective-permute(%ag), source_target_pairs={{0,1},{1,0}}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[64,8]{1,0}) tuple(%next, %cp)
+}
+
+%cond (u: (s32[], f32[64,8])) -> pred[] {
+  %u = (s32[], f32[64,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%u), index=0
+  %lim = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %lim), direction=LT
+}
+
+ENTRY %main (x: f32[64,8]) -> f32[64,8] {
+  %x = f32[64,8]{1,0} parameter(0)
+  %ar = f32[64,8]{1,0} all-reduce(%x), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,8]{1,0}) tuple(%zero, %ar)
+  %loop = (s32[], f32[64,8]{1,0}) while(%init), condition=%cond, body=%body
+  %y = f32[64,8]{1,0} get-tuple-element(%loop), index=1
+  ROOT %a2a = f32[64,8]{1,0} all-to-all(%y), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+"""
+
+
+def test_collective_bytes_by_kind_with_trip_counts():
+  """Ring-algorithm bytes one device sends (X = 2 KiB operand, n = group size):
+  all-reduce 2 (n-1)/n X; an all-reduce of a slice placed in zeros is an
+  all-gather of X / n per device, (n-1) X / n; collective-permute X; all-to-all
+  (n-1)/n X; the loop's collectives 3 times."""
+  x = 64 * 8 * 4
+  rows = {r["kind"]: r for r in hlo_flops.matmul_flops(COLLECTIVE_HLO)["collectives"]}
+  assert rows["all-reduce"]["bytes"] == 2 * 3 / 4 * x
+  assert rows["all-gather"]["bytes"] == 3 * (3 / 4) * x
+  assert rows["collective-permute"]["bytes"] == 3 * x
+  assert rows["all-to-all"]["bytes"] == 7 / 8 * x
+  # Groups as device ids: iota with a transpose, and the mesh form.
+  assert hlo_flops.expand_groups("[2,4]<=[4,2]T(1,0)", 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  assert hlo_flops.expand_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", 8) == [
+    [0, 1, 2, 3],
+    [4, 5, 6, 7],
+  ]
+  assert hlo_flops.expand_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", 8)[0] == [0, 4]

@@ -1,4 +1,5 @@
-r"""The matmul FLOPs one device executes in a compiled step, read from its HLO.
+r"""The matmul and attention FLOPs, collective and host bytes one device moves in a
+compiled step, read from its HLO.
 
 `compiled.cost_analysis()["flops"]` counts every computation once: a while
 loop's body (the layer scan, remat groups, chunked MLP/loss scans, ring hops)
@@ -21,13 +22,29 @@ one to two orders of magnitude below the work done.
   calls and async ops by the times their caller runs them; a `conditional` by
   its most expensive branch (`dot_flops`: an upper bound) and its cheapest
   (`dot_flops_min`: a lower bound);
-- Mosaic/Pallas and Triton custom calls are counted (with multiplicity) in
-  `custom_calls`, by kernel name in `custom_calls_by_kernel`: their FLOPs are
-  not visible in HLO and are not estimated here.
+- attention: the kernels say at trace time what their own block maps make
+  them compute, in name scopes XLA keeps in each op's `op_name` metadata
+  (lctx/kernels/flop_tags.py). A kernel custom call (splash's forward, dkv and
+  dq Mosaic calls, cuDNN's fmha calls, the CPU kernel's FFI calls) tagged
+  `lctx_flops=N` adds N per execution; a `while` whose trip count is known only
+  at run time (the blockwise kernel's live-block loops) and is tagged
+  `lctx_trips=X` runs X times; dots and convolutions inside `lctx_attention`
+  count as attention, the rest as dense. So attention multiplies through the
+  layer scan, ring loops and rematerialised forwards like every matmul. Pure
+  XLA attention (backends 'xla', 'reference') stays in the dense figure where
+  XLA's fusions drop the op names;
+- untagged Mosaic/Pallas and Triton custom calls are counted (with
+  multiplicity) in `custom_calls`, by kernel name in `custom_calls_by_kernel`:
+  their FLOPs are not visible in HLO and are not estimated here;
+- collectives: bytes one device sends, as ring algorithms move them, with the
+  replica groups as written (`collective`); an all-reduce of one slice placed
+  in zeros is the TPU compiler's all-gather and counts as one;
+- host transfers: ops that move arrays between HBM and pinned host memory
+  (memory space S(5)), by direction.
 
-A loop whose trip count cannot be read counts once and is reported in
-`unknown_trip_count_loops`. Elementwise work, reductions and collectives are
-not counted: this is the matmul figure, which dominates a transformer step.
+A loop whose trip count cannot be read (and is not tagged) counts once and is
+reported in `unknown_trip_count_loops`. Elementwise work and reductions are not
+counted: this is the matmul figure, which dominates a transformer step.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
+
 from lctx import hardware, progress
 from lctx.errors import ConfigError
 
@@ -270,7 +272,81 @@ def _matmul_flops(hlo: str) -> dict[str, Any]:
     "kernel_custom_calls": count["custom_calls"],
     "kernel_custom_calls_by_kernel": count["custom_calls_by_kernel"],
     "unknown_trip_count_loops": count["unknown_trip_count_loops"],
+    "_count": count,
   }
+
+
+def collective_bytes(count: dict[str, Any], mesh) -> dict[str, Any]:
+  """Collective bytes one device sends per step (hlo_flops.collective), by kind,
+  by the mesh axes its groups span, and over ICI or DCN (a group whose devices
+  sit in more than one slice). Group ids are positions in the mesh's device
+  array, as XLA's SPMD partitioner numbers them."""
+  from lctx import hlo_flops  # pylint: disable=g-import-not-at-top
+
+  devs = mesh.devices
+  n = devs.size
+  coords = np.stack(np.unravel_index(np.arange(n), devs.shape), axis=1)
+  slices = np.array([getattr(d, "slice_index", 0) or 0 for d in devs.flat])
+  by_kind = dict.fromkeys(hlo_flops.COLLECTIVES, 0.0)
+  by_axis: dict[str, float] = {}
+  link = {"ici": 0.0, "dcn": 0.0}
+  for row in count.get("collectives", []):
+    groups = [g for g in hlo_flops.expand_groups(row["groups"], n) if g]
+    varying, dcn = set(), False
+    for g in groups:
+      g = [i for i in g if i < n]
+      c = coords[g]
+      varying |= {mesh.axis_names[a] for a in range(c.shape[1]) if len(set(c[:, a])) > 1}
+      dcn |= len(set(slices[g])) > 1
+    axes = "+".join(a for a in mesh.axis_names if a in varying) or "none"
+    by_kind[row["kind"]] += row["bytes"]
+    by_axis[axes] = by_axis.get(axes, 0.0) + row["bytes"]
+    link["dcn" if dcn else "ici"] += row["bytes"]
+  return {
+    "collective_bytes_per_device": sum(by_kind.values()),
+    "collective_bytes_by_kind": by_kind,
+    "collective_bytes_by_axis": by_axis,
+    "ici_bytes_per_device": link["ici"],
+    "dcn_bytes_per_device": link["dcn"],
+  }
+
+
+def step_figures(
+  count: dict[str, Any], *, mesh, accel, model, train, peak_flops_per_device=None
+) -> dict[str, Any]:
+  """compile.json's FLOP, byte and step-time keys from an hlo_flops count.
+
+  total = dense matmuls + attention (both with every recompute the program
+  does); model = the trainer's formula (ModelConfig.flops_per_token, 3 x forward,
+  no recompute); recompute_ratio = total / model. The step time is
+  hardware.step_time's estimate (labelled as one)."""
+  devices = mesh.devices.size
+  tokens = train.batch_size * train.seq_len
+  model_flops = model.flops_per_token(train.seq_len, causal=True) * tokens / devices
+  total = count["dense_flops"] + count["attention_flops"]
+  out = {
+    "dense_flops_per_device": count["dense_flops"],
+    "attention_flops_per_device": count["attention_flops"],
+    "total_flops_per_device": total,
+    "model_flops_per_device": model_flops,
+    "recompute_ratio": total / model_flops if model_flops else None,
+    "estimated_trip_count_loops": count["estimated_trip_count_loops"],
+  }
+  out.update(collective_bytes(count, mesh))
+  host = count["host_transfer_bytes"]
+  out["host_transfer_bytes_per_device"] = host
+  out.update(
+    hardware.step_time(
+      accel,
+      flops=total,
+      host_bytes=host["to_host"] + host["to_device"],
+      ici_bytes=out["ici_bytes_per_device"],
+      dcn_bytes=out["dcn_bytes_per_device"],
+      tokens_per_step=tokens,
+      peak_flops_per_device=peak_flops_per_device,
+    )
+  )
+  return out
 
 
 def _flops(compiled) -> float | None:
@@ -375,7 +451,11 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   record["per_device"] = per_device
   record["host_bytes_per_vm"] = per_device["host_bytes"] * devices_per_vm
   record["flops_per_device"] = _flops(compiled)
-  record.update(_matmul_flops(hlo))
+  flops = _matmul_flops(hlo)
+  count = flops.pop("_count", None)
+  record.update(flops)
+  if count is not None:
+    record.update(step_figures(count, mesh=mesh, accel=accel, model=exp.model, train=exp.train))
   hbm_ok = per_device["total_bytes"] <= hbm
   host_ok = record["host_bytes_per_vm"] <= accel.host_ram_bytes_per_host
   record["fits"] = hbm_ok and host_ok
@@ -456,6 +536,23 @@ def summary(record: dict[str, Any]) -> str:
       f"counts) + {r['kernel_custom_calls']} Mosaic kernel calls not counted; cost_analysis: "
       f"{r['flops_per_device'] or 0:.4g} (each loop body once)"
     )
+  if r.get("total_flops_per_device") is not None:
+    b = r["step_time_bounds"]
+    lines += [
+      f"  FLOPs per device: total {r['total_flops_per_device']:.4g} = dense "
+      f"{r['dense_flops_per_device']:.4g} + attention {r['attention_flops_per_device']:.4g}; "
+      f"model (trainer's formula) {r['model_flops_per_device']:.4g}; recompute ratio "
+      f"{r['recompute_ratio']:.3f}",
+      f"  bytes per device per step: collectives {_size(r['collective_bytes_per_device'])} "
+      f"(ICI {_size(r['ici_bytes_per_device'])}, DCN {_size(r['dcn_bytes_per_device'])}; "
+      + ", ".join(f"{k} {_size(v)}" for k, v in r["collective_bytes_by_axis"].items())
+      + f"), host transfers {_size(sum(r['host_transfer_bytes_per_device'].values()))}",
+      f"  step time ESTIMATE: lower bound {r['step_seconds_lower_bound']:.4g} s (FLOPs "
+      f"{b['flops_seconds']:.4g} s, host {b['host_transfer_seconds']:.4g} s, ICI "
+      f"{b['ici_seconds']:.4g} s, DCN {b['dcn_seconds']:.4g} s); at "
+      f"{100 * r['step_time_efficiency']:.0f}% efficiency {r['step_seconds_estimate']:.4g} s, "
+      f"{r['tokens_per_second_estimate']:.4g} tokens/s",
+    ]
   elif r.get("matmul_flops_error"):
     lines.append(f"  matmul FLOPs: not counted ({r['matmul_flops_error']})")
   lines.append(f"  compiler ran {r['compile_seconds']} s")

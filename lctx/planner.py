@@ -29,6 +29,7 @@ from typing import Any
 from absl import logging
 
 from lctx import hardware as hw
+from lctx import step_estimate
 from lctx.models import config as models_config
 from lctx.parallel import memory_model as mm
 from lctx.parallel import mesh as mesh_lib
@@ -191,8 +192,9 @@ def compile_topology(target: hw.Target, hardware: str) -> str | None:
 # ----------------------------------------------------------------------------
 # Evaluating one setup
 # ----------------------------------------------------------------------------
-def evaluate(dims: mm.ModelDims, setup: mm.Setup, target: hw.Target) -> dict[str, Any]:
-  """Breakdown, totals and whether it fits HBM and host RAM."""
+def evaluate(dims: mm.ModelDims, setup: mm.Setup, target: hw.Target, model=None) -> dict[str, Any]:
+  """Breakdown, totals, whether it fits HBM and host RAM, and (given the
+  ModelConfig) the step-time estimate (lctx/step_estimate.py)."""
   bd = mm.estimate(dims, setup)
   acc = target.accelerator
   host_per_vm = bd.host * min(acc.devices_per_host, target.devices)
@@ -204,6 +206,16 @@ def evaluate(dims: mm.ModelDims, setup: mm.Setup, target: hw.Target) -> dict[str
     "breakdown": bd.as_dict(),
     "host_bytes_per_device": bd.host,
     "host_bytes_per_vm": host_per_vm,
+  } | (_step(model, dims, setup, target, bd.host) if model is not None else {})
+
+
+def _step(model, dims, setup, target, host_bytes) -> dict[str, Any]:
+  est = step_estimate.estimate(model, dims, setup, target, host_bytes)
+  return {
+    "step_seconds_estimate": est["step_seconds_estimate"],
+    "step_seconds_lower_bound": est["step_seconds_lower_bound"],
+    "step_time_bound_by": est["step_time_bound_by"],
+    "step_time": est,
   }
 
 
@@ -299,23 +311,28 @@ def plan(exp, *, hardware: str) -> dict[str, Any]:
     configured = {"setup": None, "per_device_total_bytes": None, "fits": False, "error": why}
   else:
     problem = check_valid(dims, setup)
-    configured = evaluate(dims, setup, target)
+    configured = evaluate(dims, setup, target, exp.model)
     if problem:
       configured.update(fits=False, error=problem)
-  smallest, checked = None, 0
+  smallest, fastest, checked, fitting = None, None, 0, 0
   for cand in candidates(exp, target):
     if check_valid(dims, cand):
       continue
-    checked += 1
-    result = evaluate(dims, cand, target)
-    if result["fits"]:
-      smallest = result
-      break
+    checked += smallest is None
+    result = evaluate(dims, cand, target, exp.model)
+    if not result["fits"]:
+      continue
+    fitting += 1
+    smallest = smallest or result
+    # Ties go to the earlier (smaller) candidate.
+    if fastest is None or result["step_seconds_estimate"] < fastest["step_seconds_estimate"]:
+      fastest = result
   topology = compile_topology(target, hardware)
-  if smallest is not None:
-    overrides = gin_overrides(_setup_from_record(exp, smallest["setup"], _platform(target)))
-    smallest["gin_params"] = overrides
-    smallest["compile_topology"] = topology
+  for chosen in (smallest, fastest):
+    if chosen is not None:
+      overrides = gin_overrides(_setup_from_record(exp, chosen["setup"], _platform(target)))
+      chosen["gin_params"] = overrides
+      chosen["compile_topology"] = topology
   return {
     "label": ESTIMATE_LABEL,
     "hardware": hardware,
@@ -334,7 +351,9 @@ def plan(exp, *, hardware: str) -> dict[str, Any]:
     "tokens_per_step": exp.train.batch_size * exp.train.seq_len,
     "configured": configured,
     "smallest": smallest,
+    "fastest": fastest,
     "candidates_checked": checked,
+    "candidates_fitting": fitting,
   }
 
 
@@ -374,8 +393,8 @@ def summary(record: dict[str, Any], gin_files: list[str] | None = None) -> str:
     f"VM of {t['devices_per_vm']} devices; batch {record['batch_size']} x "
     f"{record['seq_len']:,} tokens. All figures: {record['label']}.",
   ]
-  for name in ("configured", "smallest"):
-    r = record[name]
+  for name in ("configured", "smallest", "fastest"):
+    r = record.get(name)
     if r is None:
       lines.append(f"{name}: nothing in the search fits {record['hardware']}.")
       continue
@@ -391,7 +410,15 @@ def summary(record: dict[str, Any], gin_files: list[str] | None = None) -> str:
       f"{_gib(r['per_device_total_bytes'])} per device ({verdict}), host "
       f"{_gib(r['host_bytes_per_device'])} per device / {_gib(r['host_bytes_per_vm'])} per VM"
       + (f"; {r['error']}" if r.get("error") else "")
+      + (
+        f"; step ESTIMATE {r['step_seconds_estimate']:.4g} s (bound by "
+        f"{r['step_time_bound_by'].removesuffix('_seconds')})"
+        if r.get("step_seconds_estimate") is not None
+        else ""
+      )
     )
+    if name == "fastest":
+      continue
     for k, v in r["breakdown"].items():
       lines.append(f"    {k:18s} {v / GiB:9.2f} GiB" if isinstance(v, int) else f"    {k:18s} {v}")
   sm = record["smallest"]

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 
 # Read when libtpu loads (the first topology call), so before any test runs.
@@ -281,7 +282,284 @@ def test_tiny_train_step_does_at_least_six_flops_per_parameter_and_token(tmp_pat
   ratio = record["matmul_flops_per_device"] / per_device
   assert 6 <= ratio <= 10, ratio
   assert record["unknown_trip_count_loops"] == 0
-  assert record["kernel_custom_calls"] > 0  # splash
+  # splash's calls carry their block-map FLOPs (lctx/kernels/flop_tags.py): none is
+  # left uncounted, and attention adds to the matmuls.
+  assert record["kernel_custom_calls"] == 0 and record["attention_flops_per_device"] > 0
   # cost_analysis() counts loop bodies once: below the real figure.
   assert record["flops_per_device"] < record["matmul_flops_per_device"]
   assert "matmul FLOPs per device" in compile_lib.summary(record)
+  # The step's FLOPs, bytes and time (compile.json keys).
+  total = record["dense_flops_per_device"] + record["attention_flops_per_device"]
+  assert record["total_flops_per_device"] == total
+  model = exp.model.flops_per_token(exp.train.seq_len) * record["tokens_per_step"] / 4
+  assert record["model_flops_per_device"] == pytest.approx(model)
+  # splash's backward (3.5 x its forward, not the formula's 2 x), the nested
+  # remat's recomputed forwards and whole diagonal blocks all cost more.
+  assert 1.5 < record["recompute_ratio"] == total / model < 3
+  assert record["collective_bytes_per_device"] > 0
+  assert record["collective_bytes_by_kind"]["all-to-all"] > 0  # usp's ulysses part
+  assert record["collective_bytes_by_kind"]["collective-permute"] > 0  # its ring part
+  assert set(record["collective_bytes_by_axis"]) <= {
+    "context",
+    "context_ulysses",
+    "context+context_ulysses",
+  }
+  assert record["dcn_bytes_per_device"] == 0  # one slice
+  # offload_layer_inputs: the bf16 layer inputs go out once and come back once.
+  host = record["host_transfer_bytes_per_device"]
+  groups = exp.model.num_layers // exp.model.remat_group_size
+  per_device_tokens = record["tokens_per_step"] // record["devices"]
+  assert host["to_host"] == host["to_device"] == groups * per_device_tokens * 128 * 2
+  bounds = record["step_time_bounds"]
+  assert record["step_seconds_lower_bound"] == max(bounds.values())
+  assert bounds["flops_seconds"] == pytest.approx(total / 459e12)
+  assert record["step_seconds_estimate"] == pytest.approx(
+    record["step_seconds_lower_bound"] / record["step_time_efficiency"]
+  )
+  assert record["tokens_per_second_estimate"] == pytest.approx(
+    record["tokens_per_step"] / record["step_seconds_estimate"]
+  )
+  assert "step time ESTIMATE" in compile_lib.summary(record)
+
+
+# ----------------------------------------------------------------------------
+# Attention FLOPs, counted from each kernel's own block map (lctx/kernels/flop_tags.py)
+# ----------------------------------------------------------------------------
+B, T, NQ, NKV, HD, BLOCK = 1, 1024, 4, 2, 128, 256
+PAIRS = BLOCK * BLOCK  # (query, key) pairs of one computed block
+# Live 256 x 256 blocks of a 1024-token call (4 x 4 blocks), by hand:
+CAUSAL_BLOCKS = 4 + 3 + 2 + 1  # the lower triangle with its diagonal
+# window 300: q block i reaches kv block j <= i while 256 (i - j) - 255 < 300,
+# i.e. j >= i - 2: rows see 1, 2, 3, 3 blocks.
+WINDOW, WINDOW_BLOCKS = 300, 1 + 2 + 3 + 3
+# Two documents of 512 tokens: each keeps its own causal triangle of 2 blocks (3 live).
+PACKED_SEGMENTS = np.repeat(np.array([[1, 2]], np.int32), 512, axis=1)
+PACKED_BLOCKS = 3 + 3
+FWD = 2 * HD + 2 * HD  # QK^T + PV per pair and q head
+FA2_BWD = 6 * HD + 4 * HD  # S, dP, dV, dQ, dK
+SPLASH_BWD = (4 * HD + 4 * HD) + (4 * HD + 2 * HD)  # dkv pass + dq pass
+
+
+def _attention_count(
+  device,
+  backend,
+  dtype,
+  *,
+  window=None,
+  segments=None,
+  traced_segments=False,
+  layers=1,
+  remat=False,
+):
+  """hlo_flops' count of one compiled forward + backward of flash_attention on
+  `device`; `layers` > 1 runs it in a scan of that many steps (jax.checkpoint on
+  the step with remat: its forward runs again in the backward)."""
+  from lctx import kernels  # pylint: disable=g-import-not-at-top
+
+  def loss(q, k, v, *traced):
+    seg = traced[0] if traced else segments
+
+    def step(c, _):
+      out = kernels.flash_attention(
+        c,
+        k,
+        v,
+        backend=backend,
+        block_q=BLOCK,
+        block_kv=BLOCK,
+        segment_ids=seg,
+        window_size=window,
+        platform=device.platform,
+      )
+      return out.astype(c.dtype), None
+
+    step = jax.checkpoint(step) if remat else step
+    return jnp.sum(lax.scan(step, q, None, length=layers)[0].astype(jnp.float32))
+
+  sharding = SingleDeviceSharding(device)
+  shapes = [(B, T, NQ, HD), (B, T, NKV, HD), (B, T, NKV, HD)]
+  args = [jax.ShapeDtypeStruct(x, dtype, sharding=sharding) for x in shapes]
+  if traced_segments:
+    args.append(jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  return hlo_flops.matmul_flops(compiled.as_text())
+
+
+def _expected(blocks, bwd, calls=1):
+  return calls * B * NQ * blocks * PAIRS * (FWD + bwd)
+
+
+CASES = {
+  "causal": (dict(), CAUSAL_BLOCKS),
+  "window": (dict(window=WINDOW), WINDOW_BLOCKS),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_splash_attention_flops(device, case):
+  """splash (Mosaic calls on the TPU compiler): forward, dkv and dq passes."""
+  kw, blocks = CASES[case]
+  out = _attention_count(device, "splash", jnp.bfloat16, **kw)
+  assert out["attention_kernel_flops"] == _expected(blocks, SPLASH_BWD)
+  assert out["kernel_calls_counted"] == 3 and out["custom_calls"] == 0
+
+
+def test_splash_packed_rows_cost_the_causal_map(device):
+  """Segment ids reach splash inside visited blocks only: its block map (so its
+  work) is the causal one, whether the ids are traced or known."""
+  traced = _attention_count(device, "splash", jnp.bfloat16, traced_segments=True)
+  known = _attention_count(device, "splash", jnp.bfloat16, segments=PACKED_SEGMENTS)
+  assert (
+    traced["attention_flops"] == known["attention_flops"] == _expected(CAUSAL_BLOCKS, SPLASH_BWD)
+  )
+
+
+def test_splash_in_a_rematerialised_scan(device):
+  """Kernel FLOPs multiply by the loop's trip count, and a checkpointed step's
+  forward runs twice."""
+  out = _attention_count(device, "splash", jnp.bfloat16, layers=3, remat=True)
+  assert out["attention_flops"] == 3 * B * NQ * CAUSAL_BLOCKS * PAIRS * (2 * FWD + SPLASH_BWD)
+
+
+@pytest.fixture(scope="module")
+def cpu():
+  return jax.devices("cpu")[0]
+
+
+def _cpu_kernel_or_skip():
+  from lctx.kernels import cpu_fused  # pylint: disable=g-import-not-at-top
+
+  if not cpu_fused.available():
+    pytest.skip(f"fused CPU kernel unavailable: {cpu_fused.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "cpu"])
+@pytest.mark.parametrize(
+  "case",
+  [
+    ("causal", dict(), CAUSAL_BLOCKS),
+    ("window", dict(window=WINDOW), WINDOW_BLOCKS),
+    # Segment ids known at trace time: cross-document blocks are skipped.
+    ("packed", dict(segments=PACKED_SEGMENTS), PACKED_BLOCKS),
+    # A traced batch's segments are unknown: one document (the upper bound).
+    ("packed_traced", dict(traced_segments=True), CAUSAL_BLOCKS),
+  ],
+  ids=lambda c: c if isinstance(c, str) else c[0],
+)
+def test_blockwise_and_cpu_attention_flops(cpu, backend, case):
+  """blockwise: its live-block loops run the tagged mean trip count (matmuls in
+  HLO); cpu: one tagged FFI call forward, one backward."""
+  if backend == "cpu":
+    _cpu_kernel_or_skip()
+  _, kw, blocks = case
+  out = _attention_count(cpu, backend, jnp.float32, **kw)
+  assert out["attention_flops"] == _expected(blocks, FA2_BWD)
+  if backend == "blockwise":
+    assert out["estimated_trip_count_loops"] == 2 and out["unknown_trip_count_loops"] == 0
+    assert out["attention_dot_flops"] == out["attention_flops"]
+  else:
+    assert out["kernel_calls_counted"] == 2
+
+
+def test_blockwise_in_a_scan(cpu):
+  out = _attention_count(cpu, "blockwise", jnp.float32, layers=3)
+  assert out["attention_flops"] == _expected(CAUSAL_BLOCKS, FA2_BWD, calls=3)
+
+
+CUDNN_HLO = """HloModule cudnn
+
+ENTRY %main (q: bf16[1,1024,4,128]) -> bf16[1,1024,4,128] {
+  %q = bf16[1,1024,4,128]{3,2,1,0} parameter(0)
+  %f = (bf16[1,4,1024,128]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(f)/lctx_attention/lctx_flops=100/lctx_bwd_flops=250/dot_product_attention"}
+  %o = bf16[1,4,1024,128]{3,2,1,0} get-tuple-element(%f), index=0
+  %b = (bf16[1,4,1024,128]{3,2,1,0}, u8[0]{0}) custom-call(%o, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", metadata={op_name="jit(f)/transpose(jvp(lctx_attention))/lctx_flops=100/lctx_bwd_flops=250/dot_product_attention"}
+  ROOT %r = bf16[1,1024,4,128]{3,2,1,0} bitcast(%o)
+}
+"""
+
+
+def test_cudnn_calls_take_their_pass_tag():
+  """cuDNN's backward call is emitted by jax under the forward's scope: the
+  backward target takes lctx_bwd_flops."""
+  out = hlo_flops.matmul_flops(CUDNN_HLO)
+  assert out["attention_kernel_flops"] == 100 + 250 and out["kernel_calls_counted"] == 2
+
+
+def test_blockwise_shard_against_the_whole_sequence(cpu):
+  """all_gather's call: one device's 512 queries (two block rows) against all
+  1024 keys, positions traced. The count is the mean over the 2 shards the
+  queries may be: rows 0-1 (1 + 2 live blocks) or rows 2-3 (3 + 4), 5 on average."""
+  from lctx import kernels  # pylint: disable=g-import-not-at-top
+
+  def loss(q, k, v, qp, kp):
+    out = kernels.flash_attention(
+      q, k, v, q_positions=qp, kv_positions=kp, backend="blockwise", block_q=BLOCK, block_kv=BLOCK
+    )
+    return jnp.sum(out)
+
+  shapes = [(B, T // 2, NQ, HD), (B, T, NKV, HD), (B, T, NKV, HD)]
+  args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes]
+  args += [jax.ShapeDtypeStruct((B, T // 2), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.int32)]
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  out = hlo_flops.matmul_flops(compiled.as_text())
+  assert out["attention_flops"] == B * NQ * 5 * PAIRS * (FWD + FA2_BWD)
+
+
+COLLECTIVE_HLO = """HloModule coll
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (t: (s32[], f32[64,8])) -> (s32[], f32[64,8]) {
+  %t = (s32[], f32[64,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[64,8]{1,0} get-tuple-element(%t), index=1
+  %z = f32[64,8]{1,0} constant({...})
+  %dus = f32[64,8]{1,0} dynamic-update-slice(%z, %x, %i, %i)
+  %ag = f32[64,8]{1,0} all-reduce(%dus), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+  %cp = f32[64,8]{1,0} collective-permute(%ag), source_target_pairs={{0,1},{1,0}}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[64,8]{1,0}) tuple(%next, %cp)
+}
+
+%cond (u: (s32[], f32[64,8])) -> pred[] {
+  %u = (s32[], f32[64,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%u), index=0
+  %lim = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %lim), direction=LT
+}
+
+ENTRY %main (x: f32[64,8]) -> f32[64,8] {
+  %x = f32[64,8]{1,0} parameter(0)
+  %ar = f32[64,8]{1,0} all-reduce(%x), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,8]{1,0}) tuple(%zero, %ar)
+  %loop = (s32[], f32[64,8]{1,0}) while(%init), condition=%cond, body=%body
+  %y = f32[64,8]{1,0} get-tuple-element(%loop), index=1
+  ROOT %a2a = f32[64,8]{1,0} all-to-all(%y), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+"""
+
+
+def test_collective_bytes_by_kind_with_trip_counts():
+  """Ring-algorithm bytes one device sends (X = 2 KiB operand, n = group size):
+  all-reduce 2 (n-1)/n X; an all-reduce of a slice placed in zeros is an
+  all-gather of X / n per device, (n-1) X / n; collective-permute X; all-to-all
+  (n-1)/n X; the loop's collectives 3 times."""
+  x = 64 * 8 * 4
+  rows = {r["kind"]: r for r in hlo_flops.matmul_flops(COLLECTIVE_HLO)["collectives"]}
+  assert rows["all-reduce"]["bytes"] == 2 * 3 / 4 * x
+  assert rows["all-gather"]["bytes"] == 3 * (3 / 4) * x
+  assert rows["collective-permute"]["bytes"] == 3 * x
+  assert rows["all-to-all"]["bytes"] == 7 / 8 * x
+  # Groups as device ids: iota with a transpose, and the mesh form.
+  assert hlo_flops.expand_groups("[2,4]<=[4,2]T(1,0)", 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  assert hlo_flops.expand_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", 8) == [
+    [0, 1, 2, 3],
+    [4, 5, 6, 7],
+  ]
+  assert hlo_flops.expand_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", 8)[0] == [0, 4]

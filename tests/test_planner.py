@@ -709,3 +709,76 @@ def test_planner_held_out_within_15_percent(
   )
   print(f"held-out {kernel} {topology} {strategy} {mesh} {seq_len} {remat}: {line}")
   assert abs(err) <= 0.15, line
+
+
+# ----------------------------------------------------------------------------
+# The fastest setup that fits (lctx/step_estimate.py)
+# ----------------------------------------------------------------------------
+def test_fastest_differs_from_smallest_when_attention_dominates():
+  """4M tokens of Llama-3.1-8B on v5p-64: attention is ~99% of the FLOPs. The
+  smallest setup takes the first policy of the least-recompute order that fits
+  (save_qkv_proj: it keeps the projections and recomputes attention); the
+  fastest keeps the attention output instead, so the step does not run its
+  dominant part twice, and fits too."""
+  rec = planner.plan(_exp(LLAMA_8B, seq_len=1 << 22), hardware="v5p-64")
+  sm, fa = rec["smallest"], rec["fastest"]
+  assert fa["fits"] and fa["setup"] != sm["setup"]
+  assert fa["step_seconds_estimate"] < sm["step_seconds_estimate"]
+  assert sm["setup"]["remat_policy"] == "save_qkv_proj"
+  assert fa["setup"]["remat_policy"] == "save_attention_out"
+  sm_flops, fa_flops = sm["step_time"]["flops_per_device"], fa["step_time"]["flops_per_device"]
+  assert sm_flops["model"] == fa_flops["model"]  # the same tokens per device
+  assert fa_flops["recompute"] < 0.05 * sm_flops["recompute"]
+  assert sm["step_time_bound_by"] == fa["step_time_bound_by"] == "flops_seconds"
+
+
+@pytest.mark.parametrize(
+  "seq_len,batch_size,hardware",
+  [(1 << 20, 8, "v5p-64"), (1 << 22, 1, "v5p-64"), (1 << 18, 8, "v5p-8"), (1 << 20, 1, "h100x8")],
+)
+def test_fastest_fits_and_no_fitting_candidate_is_faster(seq_len, batch_size, hardware):
+  exp = _exp(LLAMA_8B, seq_len=seq_len, batch_size=batch_size)
+  rec = planner.plan(exp, hardware=hardware)
+  fa = rec["fastest"]
+  assert fa is not None and fa["fits"]
+  assert fa["per_device_total_bytes"] <= rec["target"]["hbm_bytes_per_device"]
+  target = planner.hw.parse_target(hardware)
+  dims = planner.model_dims(exp.model)
+  times = [
+    r["step_seconds_estimate"]
+    for c in planner.candidates(exp, target)
+    if not planner.check_valid(dims, c)
+    for r in [planner.evaluate(dims, c, target, exp.model)]
+    if r["fits"]
+  ]
+  assert len(times) == rec["candidates_fitting"] and min(times) == fa["step_seconds_estimate"]
+  assert rec["smallest"]["step_seconds_estimate"] >= fa["step_seconds_estimate"]
+
+
+def test_plan_json_has_fastest(tmp_path):
+  rec = planner.run_plan(_exp(LLAMA_8B, seq_len=1 << 22), str(tmp_path), hardware="v5p-64")
+  with open(tmp_path / "plan.json") as f:
+    saved = json.load(f)
+  for key in ("setup", "per_device_total_bytes", "step_seconds_estimate"):
+    assert saved["fastest"][key] == rec["fastest"][key]
+  assert saved["fastest"]["compile_topology"] == "v5p:4x4x4"
+  assert any("remat_policy='save_attention_out'" in p for p in saved["fastest"]["gin_params"])
+
+
+def test_step_flops_follow_the_trainer_formula_and_the_remat_policy():
+  """No remat: the formula plus the kernel's backward beyond 2 x forward; 'full'
+  recomputes the whole layer forward: the formula's forward less the unembedding."""
+  from lctx import step_estimate  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(LLAMA_8B, seq_len=1 << 20)
+  dims, m = planner.model_dims(exp.model), exp.model
+  tokens = (1 << 20) / 64
+  fwd = m.flops_per_token(1 << 20, training=False)
+  for policy, recompute in (("none", 0.0), ("full", fwd - 2 * m.d_model * m.vocab_size)):
+    setup = planner.make_setup(exp, strategy="ring", mesh={"context": 64}, remat_policy=policy)
+    got = step_estimate.flops_per_device(m, dims, setup, 64)
+    assert got["model"] == pytest.approx(m.flops_per_token(1 << 20) * tokens)
+    assert got["recompute"] == pytest.approx(recompute * tokens, rel=1e-6)
+    # splash's dkv + dq passes (8H + 6V = 14H) against the formula's 2 x 4H.
+    attn = fwd - m.flops_per_token(1, training=False)
+    assert got["attention_extra"] == pytest.approx(attn * (14 / 4 - 2) * tokens)

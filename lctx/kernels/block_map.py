@@ -33,27 +33,28 @@ class BlockStats(NamedTuple):
   seg_max_nz: jnp.ndarray | None  # max over non-padding ids (0 if none)
 
 
-def block_stats(pos: jnp.ndarray, seg: jnp.ndarray | None) -> BlockStats:
-  """pos, seg: `[n_blocks, block]` int32 (seg may be None)."""
-  pmin, pmax = jnp.min(pos, axis=1), jnp.max(pos, axis=1)
+def block_stats(pos: jnp.ndarray, seg: jnp.ndarray | None, xp=jnp) -> BlockStats:
+  """pos, seg: `[n_blocks, block]` int32 (seg may be None). xp: jnp, or numpy to
+  evaluate on the host at trace time (FLOP counts, flop_tags.py)."""
+  pmin, pmax = xp.min(pos, axis=1), xp.max(pos, axis=1)
   if seg is None:
     return BlockStats(pmin, pmax, None, None, None, None)
   nz = seg != 0
   return BlockStats(
     pmin,
     pmax,
-    jnp.min(seg, axis=1),
-    jnp.max(seg, axis=1),
-    jnp.min(jnp.where(nz, seg, _BIG), axis=1),
-    jnp.max(jnp.where(nz, seg, 0), axis=1),
+    xp.min(seg, axis=1),
+    xp.max(seg, axis=1),
+    xp.min(xp.where(nz, seg, _BIG), axis=1),
+    xp.max(xp.where(nz, seg, 0), axis=1),
   )
 
 
-def block_map(qs: BlockStats, ks: BlockStats, causal: bool, window_size):
+def block_map(qs: BlockStats, ks: BlockStats, causal: bool, window_size, xp=jnp):
   """Returns (live, full), bool `[n_q_blocks, n_kv_blocks]`; full implies live."""
   qmin, qmax = qs.pos_min[:, None], qs.pos_max[:, None]
   kmin, kmax = ks.pos_min[None, :], ks.pos_max[None, :]
-  live = jnp.ones((qmin.shape[0], kmin.shape[1]), dtype=bool)
+  live = xp.ones((qmin.shape[0], kmin.shape[1]), dtype=bool)
   full = live
   if qs.seg_min is not None:
     # Ranges of real (non-padding) document ids must intersect; an all-padding

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from lctx.kernels import flop_tags
 from lctx.kernels.blockwise_core import Blocked, Cfg, backward_example, forward_example
 from lctx.kernels.masking import (
   MASKED_LSE,
@@ -170,6 +171,9 @@ def _setup(
   mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)
   bq, bk, _, _ = _block_sizes(t, s, block_q, block_kv)
   bwd_q, bwd_kv, _, _ = _block_sizes(t, s, block_q_bwd or block_q, block_kv_bwd or block_kv)
+  masks = (segment_ids, q_positions, kv_positions, bool(causal), window_size)
+  fwd_live = flop_tags.live_map(b, t, s, *masks, bq, bk).sum()
+  bwd_live = flop_tags.live_map(b, t, s, *masks, bwd_q, bwd_kv).sum()
   cfg = Cfg(
     bool(causal),
     None if window_size is None else int(window_size),
@@ -179,6 +183,8 @@ def _setup(
     count_blocks,
     bwd_q,
     bwd_kv,
+    fwd_trips=fwd_live / (b * -(-t // bq)),
+    bwd_trips=bwd_live / (b * -(-s // bwd_kv)),
   )
   return mask, cfg
 

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lctx.kernels import flop_tags
 from lctx.kernels.block_map import block_map, block_stats, compact_lists
 from lctx.kernels.masking import MASKED_LSE, visible
 from lctx.kernels.shard_typing import varying_like
@@ -44,6 +45,11 @@ class Cfg(NamedTuple):
   # temporaries (s, p, dp, ds); None: the forward's.
   bwd_block_q: int | None = None
   bwd_block_kv: int | None = None
+  # Mean live kv blocks per q block (forward) and live q blocks per kv block
+  # (backward), from the block map of the mask inputs known at trace time: the
+  # run-time trip counts of the live-block loops, for FLOP counts (flop_tags.py).
+  fwd_trips: float = 0.0
+  bwd_trips: float = 0.0
 
   def for_backward(self) -> Cfg:
     return self._replace(
@@ -135,7 +141,8 @@ def forward_example(cfg: Cfg, qb, kb, vb, bl: Blocked):
       jnp.zeros((2,), jnp.int32),
     )
     init = tuple(varying_like(x, q_i, kb, vb, *bl) for x in init)
-    m, l, acc, counts = jax.lax.fori_loop(0, count, kv_step, init)
+    with flop_tags.trips_scope(cfg.fwd_trips):
+      m, l, acc, counts = jax.lax.fori_loop(0, count, kv_step, init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out = acc / l_safe[..., None]
@@ -197,7 +204,8 @@ def backward_example(cfg: Cfg, qb, kb, vb, dob, lse, delta, bl: Blocked):
       jnp.zeros(v_j.shape, _F32).swapaxes(1, 2),
     )
     init = (dq,) + tuple(varying_like(x, qb, kb, vb, dob, lse, delta, *bl) for x in init[1:])
-    dq, dk_t, dv_t = jax.lax.fori_loop(0, count, q_step, init)
+    with flop_tags.trips_scope(cfg.bwd_trips):
+      dq, dk_t, dv_t = jax.lax.fori_loop(0, count, q_step, init)
     return dq, (dk_t.swapaxes(1, 2), dv_t.swapaxes(1, 2))
 
   dq0 = varying_like(jnp.zeros(qb.shape, _F32), qb, kb, vb, dob, lse, delta, *bl)

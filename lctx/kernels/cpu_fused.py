@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lctx.kernels import cpu_build
+from lctx.kernels import cpu_build, flop_tags
 from lctx.kernels.cpu_build import BWD_TARGET, FWD_TARGET, available, unavailable_reason
 from lctx.kernels.masking import check_shapes, default_scale, normalize_mask_args, pad_axis
 from lctx.kernels.shard_typing import cotangent_like, varying_like
@@ -52,6 +52,10 @@ class _Cfg(NamedTuple):
   block_kv: int
   block_q_bwd: int
   block_kv_bwd: int
+  # FLOPs of one forward / backward call (flop_tags.py), from the kernel's block
+  # classes on the mask inputs known at trace time.
+  fwd_flops: float = 0.0
+  bwd_flops: float = 0.0
 
 
 def _round_block(block: int, mult: int, length: int) -> int:
@@ -79,7 +83,8 @@ def _fwd_call(q, k, v, mask_arrays, cfg: _Cfg):
     ),
     vmap_method="sequential",
   )
-  out, lse = call(q, k, v, *mask_arrays, **_attrs(cfg, False))
+  with flop_tags.flops_scope(cfg.fwd_flops):
+    out, lse = call(q, k, v, *mask_arrays, **_attrs(cfg, False))
   # Inside shard_map, FFI results carry no device-varying type: give them the inputs'.
   return tuple(varying_like(x, q, k, v, *mask_arrays) for x in (out, lse))
 
@@ -95,7 +100,8 @@ def _bwd_call(q, k, v, dout, lse, delta, mask_arrays, cfg: _Cfg):
     ),
     vmap_method="sequential",
   )
-  dq, dk, dv = call(q, k, v, dout, lse, delta, *mask_arrays, **_attrs(cfg, True))
+  with flop_tags.flops_scope(cfg.bwd_flops):
+    dq, dk, dv = call(q, k, v, dout, lse, delta, *mask_arrays, **_attrs(cfg, True))
   return tuple(varying_like(x, q, k, v, dout, lse, delta, *mask_arrays) for x in (dq, dk, dv))
 
 
@@ -177,7 +183,24 @@ def _setup(
     _round_block(block_q_bwd or block_q, _Q_MULT, tp),
     _round_block(block_kv_bwd or block_kv, _KV_MULT, sp),
   )
+  cfg = cfg._replace(**_flops(cfg, q, v, t, s, segment_ids, q_positions, kv_positions))
   return pad_axis(q, tp, 1), pad_axis(k, sp, 1), pad_axis(v, sp, 1), mask_arrays, cfg
+
+
+def _flops(cfg: _Cfg, q, v, t, s, segment_ids, q_positions, kv_positions):
+  """fwd_flops / bwd_flops of one call: the live blocks of the kernel's block
+  classes (block_map.py's rule), each computed at its true size, the last one
+  shorter (the rows _setup pads on are a few, and dead)."""
+  b, n, h, vd = q.shape[0], q.shape[2], q.shape[3], v.shape[3]
+  out = {}
+  for name, bq, bk, per_pair in (
+    ("fwd_flops", cfg.block_q, cfg.block_kv, flop_tags.forward_pair_flops(h, vd)),
+    ("bwd_flops", cfg.block_q_bwd, cfg.block_kv_bwd, flop_tags.fa2_backward_pair_flops(h, vd)),
+  ):
+    masks = (segment_ids, q_positions, kv_positions, cfg.causal, cfg.window or None)
+    live = flop_tags.live_map(b, t, s, *masks, bq, bk)
+    out[name] = n * flop_tags.block_pairs(live, t, s, bq, bk) * per_pair
+  return out
 
 
 def cpu_fused_attention(

@@ -34,7 +34,7 @@ import logging
 
 import jax
 
-from lctx.kernels import cpu_fused, jax_nn, splash
+from lctx.kernels import cpu_fused, flop_tags, jax_nn, splash
 from lctx.kernels.blockwise import (
   blockwise_attention,
   blockwise_block_backward,
@@ -95,6 +95,7 @@ def choose_backend(
   return "blockwise"
 
 
+@flop_tags.in_attention_scope
 def flash_attention(
   q,
   k,
@@ -211,6 +212,7 @@ def _block_backend(q, k, v, backend: str, platform: str | None, layout, position
   return "blockwise"
 
 
+@flop_tags.in_attention_scope
 def attention_block_forward(
   q,
   k,
@@ -274,6 +276,7 @@ def attention_block_forward(
   )
 
 
+@flop_tags.in_attention_scope
 def attention_block_backward(
   q,
   k,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lctx.kernels import flop_tags
 from lctx.kernels.masking import check_shapes, default_scale, dense_mask, normalize_mask_args
 
 
@@ -59,9 +60,19 @@ def xla_attention(
   return jnp.where(jnp.any(vis, axis=-1)[:, :, None, None], out, jnp.zeros_like(out))
 
 
+# cuDNN's attention tile is internal to the library; FLOPs are counted as if it
+# skipped whole CUDNN_TILE x CUDNN_TILE blocks above the causal diagonal.
+CUDNN_TILE = 128
+
+
 def cudnn_attention(q, k, v, *, causal=True, softmax_scale=None):
   """cuDNN flash attention through jax.nn (callers check `cudnn_unsupported` first)."""
-  h = q.shape[-1]
-  return jax.nn.dot_product_attention(
-    q, k, v, is_causal=causal, implementation="cudnn", scale=default_scale(h, softmax_scale)
-  )
+  b, t, s, n, _, h, vd = check_shapes(q, k, v)
+  bq, bk = min(CUDNN_TILE, t), min(CUDNN_TILE, s)
+  live = flop_tags.live_map(b, t, s, None, None, None, causal, None, bq, bk)
+  pairs = n * flop_tags.block_pairs(live, t, s, bq, bk)
+  fwd = pairs * flop_tags.forward_pair_flops(h, vd)
+  with flop_tags.flops_scope(fwd, pairs * flop_tags.fa2_backward_pair_flops(h, vd)):
+    return jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="cudnn", scale=default_scale(h, softmax_scale)
+    )

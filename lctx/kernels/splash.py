@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lctx.kernels import flop_tags
 from lctx.kernels.masking import MASKED_LSE, check_shapes, default_scale, normalize_mask_args
 from lctx.kernels.shard_typing import cotangent_like, varying_like
 
@@ -112,13 +113,14 @@ class TokenOrder:
     z = self.zigzag
     return np.array([c for r in range(z) for c in (r, 2 * z - 1 - r)] or [0], np.int32)
 
-  def natural(self, p):
-    """Natural token index of global array index p (int32, traced or not)."""
+  def natural(self, p, xp=jnp):
+    """Natural token index of global array index p (int32, traced or not; xp=np
+    for host arrays)."""
     if not self.zigzag:
       return p
     slot, off = p // self.chunk, p % self.chunk
     r = slot // 2
-    return jnp.where(slot % 2 == 0, r, 2 * self.zigzag - 1 - r) * self.chunk + off
+    return xp.where(slot % 2 == 0, r, 2 * self.zigzag - 1 - r) * self.chunk + off
 
 
 @functools.partial(
@@ -236,18 +238,19 @@ def _sizes(cfg: _Cfg, t: int, s: int):
   )
 
 
-def _block_classes(cfg: _Cfg, qseq, bq: int, kv_len: int, bkv: int):
+def _block_classes(cfg: _Cfg, qseq, bq: int, kv_len: int, bkv: int, xp=jnp):
   """`[nq, nk]` int32: 0 = no visible pair (skipped), 1 = partial, 2 = all visible,
-  from each q block's min/max natural index (relative to the kv run start)."""
+  from each q block's min/max natural index (relative to the kv run start).
+  xp: jnp, or numpy to evaluate on the host at trace time (FLOP counts)."""
   nq, nk = qseq.shape[0] // bq, kv_len // bkv
   if cfg.mask_fn is None:
-    return jnp.full((nq, nk), 2, jnp.int32)
+    return xp.full((nq, nk), 2, xp.int32)
   qb = qseq.reshape(nq, bq)
   qmin, qmax = qb.min(axis=1)[:, None], qb.max(axis=1)[:, None]
-  kmin = (jnp.arange(nk, dtype=jnp.int32) * bkv)[None, :]
+  kmin = (xp.arange(nk, dtype=xp.int32) * bkv)[None, :]
   kmax = kmin + (bkv - 1)
-  empty = jnp.zeros((nq, nk), bool)
-  full = jnp.ones((nq, nk), bool)
+  empty = xp.zeros((nq, nk), bool)
+  full = xp.ones((nq, nk), bool)
   if cfg.causal:
     empty = empty | (qmax < kmin)
     full = full & (qmin >= kmax)
@@ -258,7 +261,7 @@ def _block_classes(cfg: _Cfg, qseq, bq: int, kv_len: int, bkv: int):
     if not cfg.causal:
       empty = empty | (kmin - qmax >= w)
       full = full & (kmax - qmin < w)
-  return jnp.where(empty, 0, jnp.where(full, 2, 1)).astype(jnp.int32)
+  return xp.where(empty, 0, xp.where(full, 2, 1)).astype(xp.int32)
 
 
 def _next_live(live_flat, minor: int):
@@ -314,6 +317,17 @@ def _segment_ids(q_seg, kv_seg):
   return _sk().SegmentIds(q=jnp.where(q_seg == 0, -1, q_seg), kv=jnp.where(kv_seg == 0, -2, kv_seg))
 
 
+def _run_starts(cfg: _Cfg, s: int, kv_start, xp=jnp) -> list[tuple[int, object]]:
+  """The kv runs of an s-row kv slice at array index kv_start: [(array offset in
+  the slice, natural start)]; each run is `_kv_run` rows (s for a whole zigzag
+  sequence, which is put back in natural order as one run)."""
+  o = cfg.order
+  if o.zigzag and s == o.length:
+    return [(0, 0)]
+  r = _kv_run(o, s)
+  return [(j * r, o.natural(kv_start + j * r, xp)) for j in range(s // r)]
+
+
 def _runs(cfg: _Cfg, k, v, kv_seg, kv_start):
   """kv `[B, K, S, X]` as runs contiguous in natural order: [(k, v, seg, nat start)]."""
   o, s = cfg.order, k.shape[2]
@@ -325,12 +339,12 @@ def _runs(cfg: _Cfg, k, v, kv_seg, kv_start):
   r = _kv_run(o, s)
   return [
     (
-      k[:, :, j * r : (j + 1) * r],
-      v[:, :, j * r : (j + 1) * r],
-      None if kv_seg is None else kv_seg[:, j * r : (j + 1) * r],
-      o.natural(kv_start + j * r),
+      k[:, :, a : a + r],
+      v[:, :, a : a + r],
+      None if kv_seg is None else kv_seg[:, a : a + r],
+      start,
     )
-    for j in range(s // r)
+    for a, start in _run_starts(cfg, s, kv_start)
   ]
 
 
@@ -344,6 +358,10 @@ def _merge(o1, l1, o2, l2):
   lse = jnp.logaddexp(l1, l2)
   w1, w2 = jnp.exp(l1 - lse)[..., None], jnp.exp(l2 - lse)[..., None]
   return o1 * w1 + o2 * w2, lse
+
+
+def _q_natural_np(cfg: _Cfg, q_start: int, t: int) -> np.ndarray:
+  return cfg.order.natural(q_start + np.arange(t, dtype=np.int64), np)
 
 
 def _q_natural(cfg: _Cfg, q_start, t: int):
@@ -435,7 +453,7 @@ def _forward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq):
   return o, jnp.where(seen, lse, MASKED_LSE)
 
 
-def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
+def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di, flops=(0, 0)):
   """One kv run: the kernel's dkv and dq passes, vmapped over the batch."""
   sk = _sk()
   t, s = q.shape[2], k.shape[2]
@@ -454,6 +472,13 @@ def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
   )
 
   def one(qb, kb, vb, lb, dob, dib, seg):
+    with flop_tags.flops_scope(flops[0]):
+      dkv = _dkv(qb, kb, vb, lb, dob, dib, seg)
+    with flop_tags.flops_scope(flops[1]):
+      dq = _dq(qb, kb, vb, lb, dob, dib, seg)
+    return dq, *dkv
+
+  def _dkv(qb, kb, vb, lb, dob, dib, seg):
     _, dk, dv = sk._splash_attention_bwd_dkv(  # noqa: SLF001
       qb,
       kb,
@@ -470,7 +495,10 @@ def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
       use_fused_bwd_kernel=False,
       **common,
     )
-    dq = sk._splash_attention_bwd_dq(  # noqa: SLF001
+    return dk, dv
+
+  def _dq(qb, kb, vb, lb, dob, dib, seg):
+    return sk._splash_attention_bwd_dq(  # noqa: SLF001
       qb,
       kb,
       vb,
@@ -484,7 +512,6 @@ def _backward_run(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
       mask_info=dq_info,
       **common,
     )
-    return dq, dk, dv
 
   if q_seg is None:
     call = jax.vmap(lambda *a: one(*a, None))
@@ -569,13 +596,13 @@ def _forward_tiled(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq):
   return out, jnp.where(lse > _VALID_LSE, lse, MASKED_LSE)
 
 
-def _backward_tiled(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
+def _backward_tiled(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di, flops=(0, 0)):
   """`_backward_run` on one kv run, as a loop of pieces when its block maps outgrow
   SMEM: for each kv piece, its dk/dv summed over the q pieces, dq accumulated."""
   t, s = q.shape[2], k.shape[2]
   tq, ts = _tiles(cfg, t, s)
   if (tq, ts) == (t, s):
-    return _backward_run(cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di)
+    return _backward_run(cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di, flops)
   refs = (q, k, v, q_seg, kv_seg, qseq, lse, do, di)
 
   def kv_piece(j, acc):
@@ -594,6 +621,7 @@ def _backward_tiled(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
         _piece(lse, i, tq, 2),
         _piece(do, i, tq, 2),
         _piece(di, i, tq, 2),
+        flops,
       )
       dq = jax.lax.dynamic_update_slice_in_dim(dq, _piece(dq, i, tq, 2) + dq_i, i * tq, axis=2)
       return dq, dkj + dk_i, dvj + dv_i
@@ -610,15 +638,63 @@ def _backward_tiled(cfg: _Cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di):
   return jax.lax.fori_loop(0, s // ts, kv_piece, tuple(varying_like(x, *refs) for x in init))
 
 
+# ---------------------------------------------------------------------------
+# FLOPs per kernel call, from the block maps the calls build (flop_tags.py)
+# ---------------------------------------------------------------------------
+_MAX_START_PAIRS = 256  # (q start, kv start) pairs averaged over when they are traced
+
+
+def _possible_starts(start, length: int, order: TokenOrder) -> list[int]:
+  """A start's value, or (traced: a device's shard, a ring step) every multiple
+  of the call's length in the sequence, at most 16 of them evenly spaced."""
+  value = flop_tags.known(start)
+  if value is not None:
+    return [int(value)]
+  starts = list(range(0, order.length - length + 1, length)) or [0]
+  if len(starts) * len(starts) > _MAX_START_PAIRS:
+    starts = [starts[i] for i in np.linspace(0, len(starts) - 1, 16).round().astype(int)]
+  return starts
+
+
+def _call_flops(cfg: _Cfg, q, k, v, q_start, kv_start, passes) -> list[float]:
+  """Per pass ((block_q, block_kv, FLOPs per pair) of `_sizes` names), the FLOPs of
+  one kernel call of a `_forward` / `_backward` on head-major q, k, v: the live
+  blocks of the maps `_block_classes` builds, over all runs and pieces, divided
+  by the calls made; traced starts averaged over their possible values."""
+  b, n, t, _ = q.shape
+  s = k.shape[2]
+  totals, calls, samples = [0.0] * len(passes), 0, 0
+  for qs in _possible_starts(q_start, t, cfg.order):
+    qnat = _q_natural_np(cfg, qs, t)
+    for ks in _possible_starts(kv_start, s, cfg.order):
+      samples += 1
+      calls, r = 0, _kv_run(cfg.order, s)
+      for _, nat in _run_starts(cfg, s, ks, xp=np):
+        tq, ts = _tiles(cfg, t, r)
+        calls += (t // tq) * (r // ts)
+        sizes = _sizes(cfg, tq, ts)
+        qseq = qnat - int(nat)
+        for i, (bq_name, bk_name, per_pair) in enumerate(passes):
+          bq, bk = getattr(sizes, bq_name), getattr(sizes, bk_name)
+          live = _block_classes(cfg, qseq, bq, r, bk, xp=np) > 0
+          totals[i] += b * n * flop_tags.block_pairs(live, t, r, bq, bk) * per_pair
+  return [x / samples / max(calls, 1) for x in totals]
+
+
 def _forward(cfg: _Cfg, q, k, v, q_seg, kv_seg, q_start, kv_start):
   """q `[B, N, T, H]` (already scaled), k `[B, K, S, H]`, v `[B, K, S, V]`, segment
   ids `[B, T]` / `[B, S]` or None. Returns out `[B, N, T, V]` f32 and lse `[B, N, T]`
   (runs merged through their lse)."""
+  h, vd = q.shape[3], v.shape[3]
+  (fwd,) = _call_flops(
+    cfg, q, k, v, q_start, kv_start, [("block_q", "block_kv", flop_tags.forward_pair_flops(h, vd))]
+  )
   qnat = _q_natural(cfg, q_start, q.shape[2])
   out = lse = None
-  for kr, vr, sr, start in _runs(cfg, k, v, kv_seg, kv_start):
-    o, l = _forward_tiled(cfg, q, kr, vr, q_seg, sr, (qnat - start).astype(jnp.int32))
-    out, lse = (o, l) if out is None else _merge(out, lse, o, l)
+  with flop_tags.flops_scope(fwd):
+    for kr, vr, sr, start in _runs(cfg, k, v, kv_seg, kv_start):
+      o, l = _forward_tiled(cfg, q, kr, vr, q_seg, sr, (qnat - start).astype(jnp.int32))
+      out, lse = (o, l) if out is None else _merge(out, lse, o, l)
   return out, lse
 
 
@@ -631,10 +707,23 @@ def _backward(cfg: _Cfg, q, k, v, q_seg, kv_seg, q_start, kv_start, out, lse, do
   if dlse is not None:
     di = di - dlse.astype(jnp.float32)
   do = dout.astype(v.dtype)
+  h, vd = q.shape[3], v.shape[3]
+  flops = _call_flops(
+    cfg,
+    q,
+    k,
+    v,
+    q_start,
+    kv_start,
+    [
+      ("block_q_dkv", "block_kv_dkv", flop_tags.splash_dkv_pair_flops(h, vd)),
+      ("block_q_dq", "block_kv_dq", flop_tags.splash_dq_pair_flops(h, vd)),
+    ],
+  )
   dq, dks, dvs = None, [], []
   for kr, vr, sr, start in _runs(cfg, k, v, kv_seg, kv_start):
     qseq = (qnat - start).astype(jnp.int32)
-    dq_r, dk_r, dv_r = _backward_tiled(cfg, q, kr, vr, q_seg, sr, qseq, lse, do, di)
+    dq_r, dk_r, dv_r = _backward_tiled(cfg, q, kr, vr, q_seg, sr, qseq, lse, do, di, flops=flops)
     dq = dq_r if dq is None else dq + dq_r
     dks.append(dk_r)
     dvs.append(dv_r)

@@ -101,8 +101,10 @@ def evaluate_retrieval(
 
   tokenizer = data_lib.make_tokenizer_for(exp.data)
   documents = data_lib.load_documents(exp.data, split="validation", limit=exp.evals.num_documents)
+  # The eval step scores inside the sharded program (Trainer.score_fn): only
+  # answer scores and per-bucket loss sums reach the host.
   return evals_lib.run_evals(
-    trainer.logits_fn(state),
+    trainer.score_fn(state),
     tokenizer,
     config=exp.evals,
     workdir=workdir,

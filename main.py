@@ -41,6 +41,13 @@ flags.DEFINE_string(
   "--mode=compile: the TPU slice to compile the train step for, e.g. 'v5p:4x4x4', "
   "'tpu7x:4x4x4' (compile-only devices from libtpu; no TPU needed).",
 )
+flags.DEFINE_enum(
+  "compile_step",
+  "train",
+  ["train", "eval"],
+  "--mode=compile: the step to compile: the train step, or the eval step that scores "
+  "answers inside the sharded program (the retrieval evals).",
+)
 flags.DEFINE_integer(
   "compile_topology_num_slices", 1, "--mode=compile: how many such slices (multi-slice, DCN)."
 )
@@ -127,6 +134,7 @@ def main(argv):
       experiment,
       compile_topology=FLAGS.compile_topology,
       compile_topology_num_slices=FLAGS.compile_topology_num_slices,
+      compile_step=FLAGS.compile_step,
     )
     return 0 if record["fits"] else 1
   if FLAGS.mode == "plan":

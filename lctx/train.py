@@ -289,6 +289,7 @@ def run(
   *,
   compile_topology: str | None = None,
   compile_topology_num_slices: int = 1,
+  compile_step: str = "train",
   plan_hardware: str | None = None,
   plan_then_compile: bool = False,
   plan_gin_files: tuple[str, ...] = (),
@@ -302,7 +303,11 @@ def run(
     from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
     return compile_lib.run_compile(
-      exp, workdir, topology=compile_topology, num_slices=compile_topology_num_slices
+      exp,
+      workdir,
+      topology=compile_topology,
+      num_slices=compile_topology_num_slices,
+      step=compile_step,
     )
   if mode == "plan":
     from lctx import planner  # pylint: disable=g-import-not-at-top

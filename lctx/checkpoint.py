@@ -6,8 +6,9 @@ A checkpoint holds three items:
   data:  every process's data-iterator JSON state (`{"processes": [...]}`,
          gathered to process 0, which writes JSON items), so a resumed run sees
          exactly the batches an uninterrupted run would;
-  meta:  the model config (and other fingerprints) used to refuse a resume
-         whose config does not match, with a message naming the fields.
+  meta:  the model and run configs; a resume whose parameter tree differs
+         (shapes, dtype: models.config.param_layout) is refused with a message
+         naming the fields, any other change is logged as a warning.
 
 `restore_latest` resumes from the newest checkpoint that restores: one that
 is partial or corrupt (missing or damaged files) is moved aside to
@@ -31,6 +32,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from lctx.models.config import param_layout
+
 
 class CheckpointMismatchError(ValueError):
   """The checkpoint in the workdir was written with an incompatible config."""
@@ -45,6 +48,17 @@ def _diff(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = ""
     elif _normalise(a) != _normalise(b):
       lines.append(f"{prefix}{key}: checkpoint has {a!r}, config has {b!r}")
   return lines
+
+
+def param_layout_mismatches(saved_model: Mapping[str, Any], model: Mapping[str, Any]) -> list[str]:
+  """'model.<field>: checkpoint has A, config has B' for each setting of the
+  parameter tree (models.config.param_layout) that differs; [] if none."""
+  saved, current = param_layout(saved_model), param_layout(model)
+  return [
+    f"model.{name}: checkpoint has {saved[name]!r}, config has {current[name]!r}"
+    for name in saved
+    if _normalise(saved[name]) != _normalise(current[name])
+  ]
 
 
 def _normalise(v):
@@ -118,20 +132,34 @@ class Checkpointer:
       logging.info("Checkpoint for step %d is being written to %s", step, self.directory)
 
   def check_compatible(self, step: int, meta: Mapping[str, Any]) -> None:
-    """Raises CheckpointMismatchError naming every mismatched model field."""
-    saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-      "meta"
-    ]
-    mismatches = _diff(saved.get("model", {}), meta.get("model", {}), "model.")
+    """Raises CheckpointMismatchError naming every change to the parameter tree.
+
+    Only what fixes the stored parameters' names, shapes and dtypes must match
+    (lctx.models.config.param_layout); any other model change (RoPE, remat,
+    chunking, windows) and any run change is resumed with a warning per field.
+    """
+    saved = self.read_meta(step)
+    mismatches = param_layout_mismatches(saved.get("model", {}), meta.get("model", {}))
     if mismatches:
       raise CheckpointMismatchError(
-        f"Cannot resume from {self.directory} step {step}: the model config "
-        "differs from the one the checkpoint was written with:\n  "
+        f"Cannot resume from {self.directory} step {step}: the parameters' shapes "
+        "or dtype differ from those the checkpoint was written with:\n  "
         + "\n  ".join(mismatches)
-        + "\nUse a new --workdir, or restore the original settings."
+        + "\nUse a new --workdir (TrainConfig.init_params_from can start it from "
+        "this checkpoint's parameters where the shapes allow), or restore the "
+        "original settings."
       )
+    for line in _diff(saved.get("model", {}), meta.get("model", {}), "model."):
+      logging.warning("Resuming with a changed model setting (same parameters): %s", line)
     for line in _diff(saved.get("run", {}), meta.get("run", {}), "run."):
       logging.warning("Resuming with a changed setting: %s", line)
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    """The meta item of checkpoint `step` (the configs it was written with)."""
+    return dict(
+      self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      or {}
+    )
 
   def restore(
     self, step: int, abstract_state: Any, meta: Mapping[str, Any]

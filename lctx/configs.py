@@ -17,7 +17,7 @@ from gin import config_parser
 
 from lctx import data as data_lib
 from lctx import evals as evals_lib
-from lctx import models
+from lctx import init_from, models
 from lctx import train as train_lib
 from lctx.evals import mixture
 from lctx.parallel import mesh as mesh_lib
@@ -69,11 +69,20 @@ def model_config(name: str, **overrides) -> models.ModelConfig:
 def experiment(
   model=gin.REQUIRED, data=gin.REQUIRED, train=None, mesh=None, evals=None
 ) -> train_lib.Experiment:
-  """The gin-bound Experiment: `experiment.model = @ModelConfig()`, ..."""
+  """The gin-bound Experiment: `experiment.model = @ModelConfig()`, ...
+
+  With `TrainConfig.init_params_from` set to a Hugging Face directory, the model
+  is that directory's config.json with the ModelConfig fields gin binds set on
+  top: the shape fields must agree with it (an error names the one that does
+  not), the others (dtypes, remat, chunking, RoPE for an extension) are gin's.
+  """
+  train = train or TrainConfig()
+  if train.init_params_from and init_from.is_hf_dir(train.init_params_from):
+    model = init_from.hf_model_config(train.init_params_from, gin.get_bindings("ModelConfig"))
   return train_lib.Experiment(
     model=model,
     data=data,
-    train=train or TrainConfig(),
+    train=train,
     mesh=mesh or mesh_lib.MeshConfig(),
     evals=evals,
   )

@@ -2,8 +2,10 @@
 
 `run(mode, workdir, experiment)` is what main.py calls. Modes:
   train           train to `TrainConfig.steps`, resuming from the latest
-                  checkpoint in the workdir;
-  eval            evaluate the latest checkpoint (held-out loss + retrieval);
+                  checkpoint in the workdir (a fresh workdir starts from
+                  `TrainConfig.init_params_from` when set);
+  eval            evaluate the latest checkpoint (held-out loss + retrieval),
+                  or on a fresh workdir the `init_params_from` parameters;
   train_and_eval  train, then evaluate;
   inspect_data    print packing statistics of the training stream;
   compile         compile the train step for a TPU slice from any machine and
@@ -25,8 +27,8 @@ from absl import logging
 
 from lctx import checkpoint as ckpt_lib
 from lctx import data as data_lib
+from lctx import init_from, models
 from lctx import metrics as metrics_lib
-from lctx import models
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -277,6 +279,42 @@ def train_loop(
   return state, bool(cfg.eval_every) or exp.evals is not None
 
 
+def start_state(exp: Experiment, trainer: Trainer, checkpointer, train_iter, mode: str):
+  """The state a run starts from, and the log line that says which:
+  the workdir's latest checkpoint (resume), else TrainConfig.init_params_from
+  (step 0, fresh optimizer state), else random initialisation (not for eval)."""
+  source = exp.train.init_params_from
+  restored = checkpointer.restore_latest(trainer.abstract_state, _meta(exp))
+  if restored is not None:
+    latest, state, data_state = restored
+    if data_state:
+      train_iter.set_state(data_state)
+    logging.info("Resumed from step %d in %s.", latest, checkpointer.directory)
+    if source:
+      logging.info(
+        "TrainConfig.init_params_from=%s is not used: it applies to a fresh workdir only.",
+        source,
+      )
+    return state
+  if source:
+    found = init_from.find_source(source)
+    params = init_from.load_params(found, exp.model, trainer.abstract_state["params"])
+    logging.info(
+      "Started at step 0 from the parameters of %s (TrainConfig.init_params_from), "
+      "with fresh optimizer state.",
+      found,
+    )
+    return trainer.state_from_params(params, exp.train.seed)
+  if mode == "eval":
+    raise FileNotFoundError(
+      f"--mode=eval needs a checkpoint, and {checkpointer.directory} has "
+      "none. Train first (--mode=train) with this --workdir, or set "
+      "TrainConfig.init_params_from to evaluate other parameters."
+    )
+  logging.info("Started at step 0 from random parameters (seed %d).", exp.train.seed)
+  return trainer.init_state(exp.train.seed)
+
+
 def _summary(results: dict[str, float], limit: int = 8) -> str:
   keys = sorted(k for k in results if "acc" in k)
   return ", ".join(f"{k}={results[k]:.2f}" for k in keys[:limit])
@@ -344,19 +382,7 @@ def run(
     async_save=exp.train.async_checkpoint,
   )
   train_iter = make_data_iterator(exp, trainer, "train", seed=exp.train.seed)
-  restored = checkpointer.restore_latest(trainer.abstract_state, _meta(exp))
-  if restored is not None:
-    latest, state, data_state = restored
-    if data_state:
-      train_iter.set_state(data_state)
-    logging.info("Resumed from step %d in %s.", latest, checkpointer.directory)
-  elif mode == "eval":
-    raise FileNotFoundError(
-      f"--mode=eval needs a checkpoint, and {checkpointer.directory} has "
-      "none. Train first (--mode=train) with this --workdir."
-    )
-  else:
-    state = trainer.init_state(exp.train.seed)
+  state = start_state(exp, trainer, checkpointer, train_iter, mode)
 
   writer = metrics_lib.MetricWriter(workdir)
   preemption = ckpt_lib.PreemptionWatch() if mode in ("train", "train_and_eval") else None

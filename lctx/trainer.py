@@ -100,6 +100,13 @@ class TrainConfig:
       prefers for the elementwise code it generates (XLA's default is 256;
       512 uses AVX-512 where the CPU has it: the attention softmax's exp ran
       ~1.4x faster). None keeps XLA's default.
+    init_params_from: a fresh workdir starts at step 0 (fresh optimizer state,
+      this config's own LR schedule and data) from these parameters: a Hugging
+      Face directory (config.json + safetensors; the model's shape fields then
+      come from its config.json) or an lctx checkpoint (a workdir or its
+      checkpoints directory: the latest step; or a step directory), params only
+      (lctx/init_from.py). A workdir that has checkpoints resumes from them and
+      ignores this. None: random initialisation from `seed`.
   """
 
   batch_size: int = 8
@@ -139,6 +146,7 @@ class TrainConfig:
   offload_params: bool = False
   ulysses_head_chunks: int | None = None
   ulysses_stage_projections: bool = False
+  init_params_from: str | None = None
 
   def __post_init__(self):
     validate_train_config(self)
@@ -179,6 +187,12 @@ def validate_train_config(c: TrainConfig) -> None:
   if c.cpu_vector_width not in (None, 128, 256, 512):
     raise ValueError(
       f"TrainConfig.cpu_vector_width must be None, 128, 256 or 512 (bits); got {c.cpu_vector_width!r}."
+    )
+  if c.init_params_from is not None and (
+    not isinstance(c.init_params_from, str) or not c.init_params_from
+  ):
+    raise ValueError(
+      f"TrainConfig.init_params_from must be None or a path; got {c.init_params_from!r}."
     )
   metrics.check_profile_steps(c.profile_steps)
   # Kernel backend and block sizes: one rule, in KernelOptions.
@@ -399,6 +413,28 @@ class Trainer:
     with self._context():
       init = jax.jit(lambda r: nn.unbox(self._init_boxed(r)), out_shardings=self.state_sharding)
       return init(jax.random.key(seed))
+
+  def state_from_params(self, params, seed: int):
+    """The step-0 state around given params (TrainConfig.init_params_from): fresh
+    optimizer state and the rng init_state(seed) would have. `params` must carry
+    state_sharding['params']; they are donated (no second copy on the devices)."""
+
+    def build(params, rng):
+      return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": self.tx.init(self._on_device(params, "params")),
+        "rng": jax.random.key_data(jax.random.fold_in(rng, 1)),
+      }
+
+    with self._context():
+      make = jax.jit(
+        build,
+        in_shardings=(self.state_sharding["params"], None),
+        out_shardings=self.state_sharding,
+        donate_argnums=(0,),
+      )
+      return make(params, jax.random.key(seed))
 
   # -- steps ------------------------------------------------------------------
   def loss_fn(self, params, batch):

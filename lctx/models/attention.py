@@ -20,7 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lctx import kernels
 from lctx.models.config import ModelConfig
-from lctx.models.layers import RMSNorm, apply_rope, constrain, fan_in_init, param
+from lctx.models.layers import RMSNorm, constrain, fan_in_init, param
+from lctx.models.rope import apply_rope
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -82,21 +83,43 @@ class GQAAttention(nn.Module):
     wo = param(
       self, "wo", fan_in_init([0, 1], [2]), (n, h, d), ("heads", "head_dim", "embed"), c.param_dtype
     )
+    biases = None
+    if c.qkv_bias:
+      zeros = nn.initializers.zeros
+      biases = (
+        param(self, "bq", zeros, (n, h), ("heads", "head_dim"), c.param_dtype),
+        param(self, "bk", zeros, (kh, h), ("kv_heads", "head_dim"), c.param_dtype),
+        param(self, "bv", zeros, (kh, h), ("kv_heads", "head_dim"), c.param_dtype),
+      )
+    norms = None
+    if c.qk_norm:
+      # Declared here, applied in _attend (which may run inside a scan over stages).
+      probe = jnp.zeros((h,), c.dtype)
+      norm = lambda name: RMSNorm(  # noqa: E731
+        c.norm_eps, c.dtype, c.param_dtype, axis_name="head_dim", name=name
+      )(probe, as_function=True)
+      norms = (norm("q_norm"), norm("k_norm"))
     head_stages = getattr(self.attention_fn, "head_stages", None)
     if head_stages is not None:
-      return self._by_head_stages(x, segment_ids, positions, (wq, wk, wv, wo), *head_stages(n, kh))
+      return self._by_head_stages(
+        x, segment_ids, positions, (wq, wk, wv, wo), biases, norms, *head_stages(n, kh)
+      )
     q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(c.dtype))
     k = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(c.dtype))
     v = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(c.dtype))
-    out = self._attend(q, k, v, segment_ids, positions, tag=True)
+    if biases is not None:
+      q, k, v = (t + b.astype(c.dtype) for t, b in zip((q, k, v), biases))
+    out = self._attend(q, k, v, segment_ids, positions, norms, tag=True)
     out = checkpoint_name(out, "attention_out")  # [B, T, N, H]
     return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
 
-  def _attend(self, q, k, v, segment_ids, positions, tag=False):
-    """RoPE on the projected q/k, then the plug-in; tag: the remat tags on q/k/v."""
+  def _attend(self, q, k, v, segment_ids, positions, norms=None, tag=False):
+    """(q/k norms,) RoPE on the projected q/k, then the plug-in; tag: the remat tags."""
     c = self.config
-    q = constrain(apply_rope(q, positions, c.rope_theta), _Q_NAMES)
-    k = constrain(apply_rope(k, positions, c.rope_theta), _KV_NAMES)
+    if norms is not None:
+      q, k = norms[0](q), norms[1](k)
+    q = constrain(apply_rope(q, positions, c.rope_theta, c.rope_scaling), _Q_NAMES)
+    k = constrain(apply_rope(k, positions, c.rope_theta, c.rope_scaling), _KV_NAMES)
     v = constrain(v, _KV_NAMES)
     if tag:
       q, k, v = _tag_qkv(q, k, v)
@@ -112,7 +135,7 @@ class GQAAttention(nn.Module):
     )
     return constrain(out, _Q_NAMES)
 
-  def _by_head_stages(self, x, segment_ids, positions, weights, q_heads, kv_heads):
+  def _by_head_stages(self, x, segment_ids, positions, weights, biases, norms, q_heads, kv_heads):
     """UPipe with per-stage projections (TrainConfig.ulysses_stage_projections).
 
     Stage g projects only its q heads `q_heads[g]` and kv heads `kv_heads[g]`
@@ -133,17 +156,28 @@ class GQAAttention(nn.Module):
        ((wq, q_heads), (wk, kv_heads), (wv, kv_heads))],
       axis=-1,
     )  # fmt: skip
-    per_stage = (jnp.moveaxis(w_qkv, 1, 0), wo[q_heads])  # [S, D, (N/S + 2M) H], [S, N/S, H, D]
     h = wq.shape[2]
+    # [S, D, (N/S + 2M) H], [S, N/S, H, D] (and the biases [S, (N/S + 2M) H])
+    per_stage = (jnp.moveaxis(w_qkv, 1, 0), wo[q_heads])
+    if biases is not None:
+      bq, bk, bv = (b.astype(c.dtype) for b in biases)
+      b_qkv = jnp.concatenate(
+        [b[idx].reshape(idx.shape[0], -1) for b, idx in
+         ((bq, q_heads), (bk, kv_heads), (bv, kv_heads))],
+        axis=-1,
+      )  # fmt: skip
+      per_stage += (b_qkv,)
 
     @jax.checkpoint
     def stage_out(w):
-      w_qkv_g, wo_g = w
+      w_qkv_g, wo_g = w[:2]
       qkv = jnp.einsum("BTD,DF->BTF", x, w_qkv_g)
+      if len(w) > 2:
+        qkv = qkv + w[2]
       q = qkv[..., : nq * h].reshape(qkv.shape[:2] + (nq, h))
       k = qkv[..., nq * h : (nq + m) * h].reshape(qkv.shape[:2] + (m, h))
       v = qkv[..., (nq + m) * h :].reshape(qkv.shape[:2] + (m, h))
-      out = self._attend(q, k, v, segment_ids, positions)  # [B, T, N/S, H]
+      out = self._attend(q, k, v, segment_ids, positions, norms)  # [B, T, N/S, H]
       return jnp.einsum("BTNH,NHD->BTD", out, wo_g)
 
     # The sum is outside the checkpoint: its backward needs no stage's input.
@@ -197,7 +231,9 @@ class MLAAttention(nn.Module):
         self, "wq", fan_in_init([0], [1, 2]), (d, n, nope + r), ("embed", "heads", "head_dim"), pd
       )
       q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(cd))
-    q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta)], -1)
+    q = jnp.concatenate(
+      [q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta, c.rope_scaling)], -1
+    )
 
     wkv_a = param(self, "wkv_a", fan_in_init([0], [1]), (d, lat + r), ("embed", "kv_lora"), pd)
     wkv_b = param(
@@ -211,7 +247,9 @@ class MLAAttention(nn.Module):
     wo = param(self, "wo", fan_in_init([0, 1], [2]), (n, vd, d), ("heads", "head_dim", "embed"), pd)
     kv_a = jnp.einsum("BTD,DC->BTC", x, wkv_a.astype(cd))  # [B, T, C + R]
     kv_lat = norm("kv_norm", "kv_lora")(kv_a[..., :lat])  # [B, T, C]
-    k_rope = apply_rope(kv_a[:, :, None, lat:], positions, c.rope_theta)  # [B, T, 1, R]
+    k_rope = apply_rope(
+      kv_a[:, :, None, lat:], positions, c.rope_theta, c.rope_scaling
+    )  # [B, T, 1, R]
     kv = jnp.einsum("BTC,CNH->BTNH", kv_lat, wkv_b.astype(cd))  # [B, T, N, nope + V]
     k_nope, v = kv[..., :nope], kv[..., nope:]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + (r,))], -1)

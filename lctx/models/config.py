@@ -7,6 +7,10 @@ H head dim (q/k), V value head dim, D d_model, F MLP hidden, E vocab.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from lctx.models import rope
 
 ATTENTION_KINDS = ("mha_gqa", "mla")
 # Named activations (jax.ad_checkpoint.checkpoint_name) a remat policy can keep on
@@ -76,6 +80,18 @@ class ModelConfig:
   """F: SwiGLU hidden width."""
   rope_theta: float = 10000.0
   """RoPE base; Llama-3 uses 500000."""
+  rope_scaling: tuple[tuple[str, Any], ...] = ()
+  """RoPE frequency schedule as Hugging Face's `rope_scaling` dict (config.json), kept
+    as sorted (key, value) pairs; gin may bind a dict. Empty = the default schedule.
+    rope_type 'linear' (factor), 'llama3' (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings: Llama 3.1) or 'yarn' (factor,
+    original_max_position_embeddings, optional beta_fast, beta_slow, attention_factor,
+    mscale, mscale_all_dim, truncate); see lctx.models.rope."""
+  qkv_bias: bool = False
+  """Biases on the q/k/v projections (Qwen2): params bq [N, H], bk [K, H], bv [K, H]."""
+  qk_norm: bool = False
+  """RMSNorm over the head dim on q and k before RoPE (Qwen3): params q_norm/scale [H]
+    and k_norm/scale [H]."""
   norm_eps: float = 1e-5
   """RMSNorm epsilon."""
   attention: str = "mha_gqa"
@@ -144,7 +160,13 @@ class ModelConfig:
     custom = self.remat_custom
     if isinstance(custom, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in custom):
       object.__setattr__(self, "remat_custom", tuple(tuple(p) for p in custom))
+    object.__setattr__(self, "rope_scaling", rope.scaling_pairs(self.rope_scaling))
     validate(self)
+
+  @property
+  def rope_scaling_dict(self) -> dict[str, Any] | None:
+    """rope_scaling as a dict (None for the default schedule)."""
+    return dict(self.rope_scaling) if self.rope_scaling else None
 
   @property
   def remat_choices(self) -> dict[str, str] | None:
@@ -242,9 +264,12 @@ def _attention_matmul_params(c: ModelConfig) -> int:
 
 
 def _attention_norm_params(c: ModelConfig) -> int:
+  """Norm scales and biases of one layer's attention."""
   if c.attention == "mla":
     return c.q_lora_rank + c.kv_lora_rank
-  return 0
+  h = c.head_dim
+  bias = (c.num_heads + 2 * c.num_kv_heads) * h if c.qkv_bias else 0
+  return bias + (2 * h if c.qk_norm else 0)
 
 
 def _validate_layer_input_pieces(c: ModelConfig) -> None:
@@ -324,6 +349,9 @@ def validate(c: ModelConfig) -> None:
   _validate_remat_custom(c)
   _validate_remat_group(c)
   _validate_layer_input_pieces(c)
+  rope.validate_scaling(c.rope_scaling_dict)
+  if c.attention == "mla" and (c.qkv_bias or c.qk_norm):
+    raise ValueError("qkv_bias and qk_norm apply to mha_gqa attention; MLA has its own norms")
   for name in ("dtype", "param_dtype"):
     if getattr(c, name) not in DTYPES:
       raise ValueError(f"{name} must be one of {DTYPES}; got {getattr(c, name)!r}")
@@ -360,3 +388,48 @@ def validate(c: ModelConfig) -> None:
       )
     if c.q_lora_rank < 0:
       raise ValueError(f"q_lora_rank must be >= 0 (0 = no compression); got {c.q_lora_rank}")
+
+
+# ----------------------------------------------------------------------------
+# The parameter tree: which fields fix it
+# ----------------------------------------------------------------------------
+SHAPE_FIELDS = (
+  "vocab_size",
+  "d_model",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "mlp_dim",
+  "attention",
+  "q_lora_rank",
+  "kv_lora_rank",
+  "qk_nope_head_dim",
+  "qk_rope_head_dim",
+  "v_head_dim",
+  "tie_embeddings",
+  "qkv_bias",
+  "qk_norm",
+)
+"""Fields that fix the parameters' names and shapes (a pretrained checkpoint's
+config.json sets them). Every other field (RoPE, dtypes, remat, chunking, windows)
+can change between runs that share parameters."""
+
+
+def param_layout(fields: Mapping[str, Any]) -> dict[str, Any]:
+  """The settings that fix the stored parameter tree: names, shapes and dtypes.
+
+  fields: a ModelConfig's `dataclasses.asdict` (as a checkpoint's meta holds it,
+  JSON lists for tuples); a missing field has its default (configs saved before
+  the field existed). Besides SHAPE_FIELDS: `param_dtype`, `scan_layers` (scanned
+  or unrolled layout) and `attention_pattern` by its length (the layers of one
+  scanned block: their window sizes do not change the tree).
+  """
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
+  def get(name):
+    return fields.get(name, defaults[name])
+
+  layout = {name: get(name) for name in (*SHAPE_FIELDS, "param_dtype", "scan_layers")}
+  layout["attention_pattern (its length)"] = len(get("attention_pattern"))
+  return layout

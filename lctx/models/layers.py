@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lctx.models.config import ModelConfig
+from lctx.models.rope import apply_rope  # noqa: F401  (re-exported: RoPE lives in rope.py)
 
 
 def fan_in_init(in_axes: Sequence[int], out_axes: Sequence[int]):
@@ -120,25 +121,6 @@ def _rms_norm_bwd(eps, res, g):
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 _dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
-
-
-def apply_rope(x, positions, theta: float):
-  """Rotary embedding, half-split convention (rotate_half), driven by positions.
-
-  Args:
-    x: `[B, T, N, H]` (H even; N may be 1 for MLA's shared key part).
-    positions: int32 `[B, T]`: the true token positions (may be permuted, restart
-      per packed document), so RoPE never depends on array order.
-  Returns: `[B, T, N, H]` in x.dtype. Angles are computed in float32.
-  """
-  h = x.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
-  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, H/2]
-  sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
 
 
 class MLP(nn.Module):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from lctx.models import rope
 from lctx.models.config import ModelConfig
 
 
@@ -26,11 +27,13 @@ def _rms(x, scale, eps):
   return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
 
 
-def _rope(x, positions, theta):
-  """x `[B, T, N, H]`: pairs (i, i + H/2) rotated as complex numbers."""
+def _rope(x, positions, c: ModelConfig):
+  """x `[B, T, N, H]`: pairs (i, i + H/2) rotated as complex numbers (angles as
+  float32 products: exact only at small positions, which is what tests use)."""
   h = x.shape[-1]
-  freq = theta ** (-np.arange(0, h, 2) / h)
-  rot = jnp.exp(1j * positions[..., None, None].astype(jnp.float32) * freq)  # [B, T, 1, H/2]
+  freq = rope.inv_frequencies(h, c.rope_theta, c.rope_scaling_dict).astype(np.float32)
+  mult = rope.attention_factor(c.rope_scaling_dict)
+  rot = mult * jnp.exp(1j * positions[..., None, None].astype(jnp.float32) * freq)  # [B, T, 1, H/2]
   z = (x[..., : h // 2] + 1j * x[..., h // 2 :]) * rot
   return jnp.concatenate([z.real, z.imag], -1)
 
@@ -61,9 +64,15 @@ def _attend(q, k, v, vis, scale):
 
 
 def _gqa(p, x, pos, vis, c):
-  q = _rope(jnp.einsum("BTD,DNH->BTNH", x, p["wq"]), pos, c.rope_theta)
-  k = _rope(jnp.einsum("BTD,DKH->BTKH", x, p["wk"]), pos, c.rope_theta)
+  q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"])
+  k = jnp.einsum("BTD,DKH->BTKH", x, p["wk"])
   v = jnp.einsum("BTD,DKH->BTKH", x, p["wv"])
+  if c.qkv_bias:
+    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+  if c.qk_norm:
+    q = _rms(q, p["q_norm"]["scale"], c.norm_eps)
+    k = _rms(k, p["k_norm"]["scale"], c.norm_eps)
+  q, k = _rope(q, pos, c), _rope(k, pos, c)
   rep = c.num_heads // c.num_kv_heads
   k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
   out = _attend(q, k, v, vis, c.head_dim**-0.5)
@@ -77,10 +86,10 @@ def _mla(p, x, pos, vis, c):
     q = jnp.einsum("BTQ,QNH->BTNH", q, p["wq_b"])
   else:
     q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"])
-  q = jnp.concatenate([q[..., :nope], _rope(q[..., nope:], pos, c.rope_theta)], -1)
+  q = jnp.concatenate([q[..., :nope], _rope(q[..., nope:], pos, c)], -1)
   kv_a = x @ p["wkv_a"]
   latent = _rms(kv_a[..., :lat], p["kv_norm"]["scale"], c.norm_eps)
-  k_rope = _rope(kv_a[..., None, lat:], pos, c.rope_theta)  # [B, T, 1, R]
+  k_rope = _rope(kv_a[..., None, lat:], pos, c)  # [B, T, 1, R]
   kv = jnp.einsum("BTC,CNH->BTNH", latent, p["wkv_b"])
   k_rope = jnp.tile(k_rope, (1, 1, c.num_heads, 1))
   k = jnp.concatenate([kv[..., :nope], k_rope], -1)

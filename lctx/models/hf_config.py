@@ -1,0 +1,269 @@
+"""Hugging Face `config.json` <-> ModelConfig, for the families lctx can run exactly.
+
+Families (the `architectures` entry of config.json):
+  LlamaForCausalLM    Llama 2, 3, 3.1 (rope_type llama3), 3.2 (tied embeddings);
+  MistralForCausalLM  with or without `sliding_window`;
+  Qwen2ForCausalLM    q/k/v biases, often tied embeddings;
+  Qwen3ForCausalLM    RMSNorm on q and k per head, a free `head_dim`.
+Everything else is refused with one ValueError naming the architecture or the
+field, before any tensor is read. Defaults for absent keys are those of the
+transformers config classes (e.g. Mistral's sliding_window 4096, Qwen3's head_dim 128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from lctx.models.config import ModelConfig
+
+ARCHITECTURES = (
+  "LlamaForCausalLM",
+  "MistralForCausalLM",
+  "Qwen2ForCausalLM",
+  "Qwen3ForCausalLM",
+)
+MODEL_TYPES = dict(zip(("llama", "mistral", "qwen2", "qwen3"), ARCHITECTURES))
+_REFUSED = {
+  "mixture-of-experts layers": (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "OlmoeForCausalLM",
+    "GptOssForCausalLM",
+  ),
+  "Gemma-style (1 + weight) RMSNorm and embedding scaling": (
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+  ),
+}
+# Keys whose presence (with a value that means "on") marks an unsupported feature.
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope dict keys that are not scaling parameters (they live elsewhere in ModelConfig).
+_ROPE_NON_SCALING = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
+# The ModelConfig fields that decide parameter shapes (and so must match a checkpoint).
+SHAPE_FIELDS = (
+  "vocab_size",
+  "d_model",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "mlp_dim",
+  "attention",
+  "tie_embeddings",
+  "qkv_bias",
+  "qk_norm",
+)
+
+
+def read_config_json(path: str) -> dict[str, Any]:
+  """config.json of an HF directory (or the file itself) as a dict."""
+  file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  if not os.path.exists(file):
+    raise ValueError(f"{file}: no config.json (an HF directory holds config.json + safetensors)")
+  try:
+    with open(file) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{file}: not valid JSON ({e})") from e
+
+
+def architecture_of(hf: Mapping[str, Any], where: str = "config.json") -> str:
+  archs = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type"), hf.get("model_type"))]
+  if len(archs) != 1:
+    raise ValueError(f"{where}: architectures={archs}: expected exactly one")
+  arch = archs[0]
+  for why, names in _REFUSED.items():
+    if arch in names:
+      raise ValueError(f"{where}: architecture {arch} is not supported: it has {why}")
+  if arch not in ARCHITECTURES:
+    raise ValueError(
+      f"{where}: architecture {arch!r} is not supported; lctx reads {', '.join(ARCHITECTURES)}"
+    )
+  return arch
+
+
+def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+  """(rope_theta, the rope_scaling dict or None) from either transformers layout:
+  v5 `rope_parameters` (theta inside) or v4 `rope_theta` + `rope_scaling`."""
+  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  if params and all(isinstance(v, Mapping) for v in params.values()):
+    raise ValueError(f"{where}: per-layer-type rope_parameters {sorted(params)} are not supported")
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if partial not in (None, 1, 1.0):
+    raise ValueError(f"{where}: partial_rotary_factor={partial} is not supported (only 1.0)")
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type not in SUPPORTED_ROPE_TYPES:
+    raise ValueError(
+      f"{where}: rope_type {rope_type!r} is not supported; lctx computes {SUPPORTED_ROPE_TYPES}"
+    )
+  if rope_type == "default":
+    return theta, None
+  scaling = {k: v for k, v in params.items() if k not in _ROPE_NON_SCALING and v is not None}
+  scaling["rope_type"] = rope_type
+  if rope_type in ("llama3", "yarn"):  # transformers' fallback: the config's own length
+    scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if scaling["original_max_position_embeddings"] is None:
+      raise ValueError(f"{where}: rope_type {rope_type} needs original_max_position_embeddings")
+  if rope_type == "yarn" and "factor" not in scaling:
+    scaling["factor"] = hf["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+  if "factor" not in scaling:
+    raise ValueError(f"{where}: rope_type {rope_type} needs a factor")
+  return theta, scaling
+
+
+def _refuse_if(cond: bool, where: str, arch: str, field: str, value: Any, why: str) -> None:
+  if cond:
+    raise ValueError(f"{where}: {arch} with {field}={value!r} is not supported: {why}")
+
+
+def config_from_hf(hf: Mapping[str, Any], where: str = "config.json", **overrides) -> ModelConfig:
+  """The ModelConfig of an HF config dict; `overrides` set non-shape fields (dtypes...)."""
+  arch = architecture_of(hf, where)
+  for key in _MOE_KEYS:
+    _refuse_if(bool(hf.get(key)), where, arch, key, hf.get(key), "mixture-of-experts layers")
+  act = hf.get("hidden_act", "silu")
+  _refuse_if(act != "silu", where, arch, "hidden_act", act, "lctx's MLP is SwiGLU (silu)")
+  _refuse_if(bool(hf.get("mlp_bias")), where, arch, "mlp_bias", True, "the MLP has no biases")
+  for key in ("use_sliding_window",):
+    _refuse_if(bool(hf.get(key)), where, arch, key, hf.get(key), "per-layer windows")
+  layer_types = set(hf.get("layer_types") or ()) - {"full_attention"}
+  _refuse_if(bool(layer_types), where, arch, "layer_types", sorted(layer_types), "only full")
+  heads = int(hf["num_attention_heads"])
+  d_model = int(hf["hidden_size"])
+  head_dim_default = 128 if arch == "Qwen3ForCausalLM" else d_model // heads
+  if arch == "Qwen2ForCausalLM":  # Qwen2 has no head_dim key: always d_model / heads
+    head_dim = head_dim_default
+  else:
+    head_dim = int(hf.get("head_dim") or head_dim_default)
+  # Llama/Mistral/Qwen3 attention_bias also puts a bias on o_proj, which lctx lacks.
+  bias = hf.get("attention_bias", False)
+  _refuse_if(bool(bias) and arch != "Qwen2ForCausalLM", where, arch, "attention_bias", bias,
+             "an output-projection bias")  # fmt: skip
+  window = hf.get("sliding_window", 4096) if arch == "MistralForCausalLM" else None
+  theta, scaling = _rope(hf, where)
+  fields = dict(
+    vocab_size=int(hf["vocab_size"]),
+    d_model=d_model,
+    num_layers=int(hf["num_hidden_layers"]),
+    num_heads=heads,
+    num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+    head_dim=head_dim,
+    mlp_dim=int(hf["intermediate_size"]),
+    rope_theta=theta,
+    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    attention_pattern=(None if window is None else int(window),),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    rope_scaling=scaling or (),
+    qkv_bias=arch == "Qwen2ForCausalLM",
+    qk_norm=arch == "Qwen3ForCausalLM",
+  )
+  fields.update(overrides)
+  known = {f.name for f in dataclasses.fields(ModelConfig)}  # PRE-MERGE SHIM
+  fields = {k: v for k, v in fields.items() if k in known or v}
+  try:
+    return ModelConfig(**fields)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{where}: {arch} maps to an invalid ModelConfig: {e}") from e
+
+
+def load_config(path: str, **overrides) -> ModelConfig:
+  """ModelConfig of an HF directory's config.json (or of the file itself)."""
+  file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  return config_from_hf(read_config_json(path), file, **overrides)
+
+
+def check_shape_fields(expected: ModelConfig, given: ModelConfig, where: str) -> None:
+  """A ValueError naming every SHAPE_FIELDS field where `given` differs from the checkpoint."""
+  diffs = [
+    f"{f}: checkpoint has {getattr(expected, f, None)!r}, config has {getattr(given, f, None)!r}"
+    for f in SHAPE_FIELDS
+    if getattr(expected, f, None) != getattr(given, f, None)
+  ]
+  if diffs:
+    raise ValueError(
+      f"{where}: the model config does not match the checkpoint: " + "; ".join(diffs)
+    )
+
+
+def architecture_for(config: ModelConfig) -> str:
+  """The HF family that expresses `config` exactly, or a ValueError naming the field."""
+  windows = set(config.attention_pattern)
+  if config.attention != "mha_gqa":
+    raise ValueError(f"attention={config.attention!r}: only mha_gqa exports to Hugging Face")
+  if getattr(config, 'qk_norm', False) and getattr(config, 'qkv_bias', False):
+    raise ValueError("qk_norm with qkv_bias: no Hugging Face family has both (Qwen3 has no bias)")
+  if len(windows) > 1:
+    raise ValueError(
+      f"attention_pattern={config.attention_pattern}: mixed windows have no HF family here"
+    )
+  window = next(iter(windows))
+  if window is not None and (
+    getattr(config, 'qk_norm', False) or getattr(config, 'qkv_bias', False)
+  ):
+    raise ValueError(f"attention_pattern={config.attention_pattern}: only Mistral has a window")
+  if getattr(config, 'qk_norm', False):
+    return "Qwen3ForCausalLM"
+  if getattr(config, 'qkv_bias', False):
+    return "Qwen2ForCausalLM"
+  return "LlamaForCausalLM" if window is None else "MistralForCausalLM"
+
+
+def config_to_hf(
+  config: ModelConfig, dtype: str = "bfloat16", max_position_embeddings: int | None = None
+) -> dict[str, Any]:
+  """config.json for `config`, readable by transformers 4.x (rope_theta, rope_scaling)
+  and 5.x (rope_parameters). max_position_embeddings: informational for these rope
+  types; default original_max_position_embeddings x factor when scaled, else 8192."""
+  arch = architecture_for(config)
+  model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
+  scaling = dict(getattr(config, 'rope_scaling_dict', None) or {})
+  if max_position_embeddings is None:
+    orig = scaling.get("original_max_position_embeddings")
+    max_position_embeddings = int(orig * scaling.get("factor", 1.0)) if orig else 8192
+  hf = {
+    "architectures": [arch],
+    "model_type": model_type,
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.d_model,
+    "intermediate_size": config.mlp_dim,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": config.norm_eps,
+    "max_position_embeddings": max_position_embeddings,
+    "rope_theta": config.rope_theta,
+    "rope_scaling": scaling or None,
+    "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default", **scaling},
+    "tie_word_embeddings": config.tie_embeddings,
+    "torch_dtype": dtype,
+    "dtype": dtype,
+  }
+  if arch == "Qwen2ForCausalLM":
+    hf.pop("head_dim")  # Qwen2 derives it (= hidden_size / heads, checked below)
+    if config.head_dim * config.num_heads != config.d_model:
+      raise ValueError(
+        f"head_dim={config.head_dim}: Qwen2 needs head_dim x num_heads = d_model ({config.d_model})"
+      )
+  if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    hf["use_sliding_window"] = False
+  else:
+    hf["attention_bias"] = False
+    hf["mlp_bias"] = False
+  if arch == "Qwen3ForCausalLM":
+    hf["attention_bias"] = False
+  if arch == "MistralForCausalLM":
+    hf["sliding_window"] = config.attention_pattern[0]
+  return hf

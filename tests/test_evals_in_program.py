@@ -167,10 +167,11 @@ def test_the_compiled_eval_step_holds_no_batch_by_length_by_vocab_buffer():
     mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), devices=jax.devices()[:1]),
   )
   full = b * t * vocab
-  compiled = trainer.lower_score_step(width=16).compile()
-  step_max = _largest_array_elements(compiled.as_text())
-  assert step_max <= 64 * vocab < full // 8  # one chunk of logits at most
-  assert compiled.memory_analysis().temp_size_in_bytes < full * 4 // 8
+  for buckets in (True, False):  # with and without the per-position loss
+    compiled = trainer.lower_score_step(width=16, buckets=buckets).compile()
+    step_max = _largest_array_elements(compiled.as_text())
+    assert step_max <= 64 * vocab < full // 8, buckets  # one chunk of logits at most
+    assert compiled.memory_analysis().temp_size_in_bytes < full * 4 // 8, buckets
   # The check can fail: the host-logits forward does hold one.
   state = jax.eval_shape(lambda: trainer.abstract_state)
   trainer.logits_fn(state)  # builds the jitted forward

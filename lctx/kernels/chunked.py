@@ -287,7 +287,7 @@ def chunked_cross_entropy(
 # ---------------------------------------------------------------------------
 
 
-def chunked_token_scores(hidden, unembed, targets, *, chunk_size, prologue=None):
+def chunked_token_scores(hidden, unembed, targets, *, chunk_size, prologue=None, greedy=True):
   """Per-token log-probability and greedy match of each target, never holding
   `[B*T, E]` logits: the evals' forward-only counterpart of chunked_cross_entropy.
 
@@ -296,7 +296,8 @@ def chunked_token_scores(hidden, unembed, targets, *, chunk_size, prologue=None)
 
   Returns:
     (logp float32 `[B, T]`: log softmax(hidden @ unembed)[target], correct bool
-    `[B, T]`: argmax == target, ties to the lowest id as np.argmax).
+    `[B, T]`: argmax == target, ties to the lowest id as np.argmax; None with
+    greedy=False, which skips the argmax, a pass over each chunk's logits).
   """
   _check_chunk_size(chunk_size)
   b, t, d = hidden.shape

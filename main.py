@@ -44,6 +44,13 @@ flags.DEFINE_string(
   "to compile the train step for, on compile-only devices (no TPU/GPU needed); "
   "default: the gin file's COMPILE_TOPOLOGY.",
 )
+flags.DEFINE_enum(
+  "compile_step",
+  "train",
+  ["train", "eval"],
+  "--mode=compile: the step to compile: the train step, or the eval step that scores "
+  "answers inside the sharded program (the retrieval evals).",
+)
 flags.DEFINE_integer(
   "compile_topology_num_slices", 1, "--mode=compile: how many such slices (multi-slice, DCN)."
 )
@@ -154,6 +161,7 @@ def _compile(experiment, target, workdir):
     experiment,
     compile_topology=topology,
     compile_topology_num_slices=FLAGS.compile_topology_num_slices,
+    compile_step=FLAGS.compile_step,
   )
   return 0 if record["fits"] else 1
 

@@ -216,7 +216,7 @@ def _memory(compiled) -> dict[str, int]:
 _LARGEST = 8  # largest HBM slots reported
 
 
-def _allocated(dump_dir: str) -> dict[str, Any]:
+def _allocated(dump_dir: str, program: str = "train_step") -> dict[str, Any]:
   """What the executable really allocates, from XLA's buffer-assignment dump.
 
   `hbm_bytes`: every HBM allocation (arguments, the temporary heap, constants),
@@ -227,7 +227,7 @@ def _allocated(dump_dir: str) -> dict[str, Any]:
   them (the report is written even when the compile runs out of memory).
   """
   out = {}
-  for path in glob.glob(os.path.join(dump_dir, "*train_step*memory-usage-report.txt")):
+  for path in glob.glob(os.path.join(dump_dir, f"*{program}*memory-usage-report.txt")):
     with open(path) as f:
       report = f.read(1 << 16)
     m = re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", report)
@@ -237,7 +237,7 @@ def _allocated(dump_dir: str) -> dict[str, Any]:
     hbm = report.split("Memory Space:")[1] if "Memory Space:" in report else ""
     rows = re.findall(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+\w+);\s*\d+;\s*\d+; (.*)$", hbm, re.M)
     out["largest_buffers"] = [f"{size}: {shapes[:200]}" for size, shapes in rows[:_LARGEST]]
-  for path in glob.glob(os.path.join(dump_dir, "*train_step*buffer-assignment.txt")):
+  for path in glob.glob(os.path.join(dump_dir, f"*{program}*buffer-assignment.txt")):
     with open(path) as f:
       for line in f:
         m = re.match(r"allocation \d+: size (\d+), preallocated-temp:", line)
@@ -364,8 +364,15 @@ def _flops(compiled) -> float | None:
 # ----------------------------------------------------------------------------
 # The mode
 # ----------------------------------------------------------------------------
-def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
-  """Compiles `exp`'s train step for `num_slices` slices of `topology`.
+COMPILE_STEPS = ("train", "eval")
+# Answer positions per row the eval step is compiled for (its [B, K] inputs).
+EVAL_SCORE_WIDTH = 64
+
+
+def compile_step(exp, *, topology: str, num_slices: int = 1, step: str = "train") -> dict[str, Any]:
+  """Compiles `exp`'s train step (or, with step='eval', the eval step that
+  scores answers inside the program: Trainer.lower_score_step) for
+  `num_slices` slices of `topology`.
 
   Returns the compile.json record (see README "Will it fit?"). A compile that
   runs out of HBM returns `fits: False` with the compiler's figures; invalid
@@ -376,6 +383,8 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
 
+  if step not in COMPILE_STEPS:
+    raise ValueError(f"--compile_step={step!r} is not one of {COMPILE_STEPS}.")
   devices, accel, hbm, chips = compile_devices(topology, num_slices)
   mesh_cfg, mesh_note = _mesh_config(exp, topology, num_slices)
   try:
@@ -393,6 +402,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
     "batch_size": exp.train.batch_size,
     "seq_len": exp.train.seq_len,
     "tokens_per_step": exp.train.batch_size * exp.train.seq_len,
+    "step": step,
     "strategy": trainer.strategy,
     "attention_backend": None,
     "per_device": None,
@@ -421,14 +431,18 @@ def compile_step(exp, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
   try:
     try:
       with progress.Heartbeat(f"compile {topology}") as beat:  # minutes at full size
-        lowered = trainer.lower_train_step()
+        lowered = (
+          trainer.lower_score_step(width=EVAL_SCORE_WIDTH)
+          if step == "eval"
+          else trainer.lower_train_step()
+        )
         beat.phase("compiling")
         compiled, message = lowered.compile(compiler_options=dump), ""
     except jax.errors.JaxRuntimeError as err:
       if "RESOURCE_EXHAUSTED" not in str(err):
         raise
       compiled, message = None, str(err)
-    allocated = _allocated(dump_dir)
+    allocated = _allocated(dump_dir, "score_step" if step == "eval" else "train_step")
   finally:
     if not keep:
       shutil.rmtree(dump_dir, ignore_errors=True)
@@ -571,14 +585,16 @@ def summary(record: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def run_compile(exp, workdir: str, *, topology: str, num_slices: int = 1) -> dict[str, Any]:
+def run_compile(
+  exp, workdir: str, *, topology: str, num_slices: int = 1, step: str = "train"
+) -> dict[str, Any]:
   """`--mode=compile`: compiles, prints the summary, writes <workdir>/compile.json."""
   if not topology:
     raise ConfigError(
       "--mode=compile needs --compile_topology, e.g. --compile_topology=v5p:4x4x4 "
       "(optionally --compile_topology_num_slices=N)."
     )
-  record = compile_step(exp, topology=topology, num_slices=num_slices)
+  record = compile_step(exp, topology=topology, num_slices=num_slices, step=step)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "compile.json"), "w") as f:
     json.dump(record, f, indent=2)

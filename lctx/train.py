@@ -105,8 +105,10 @@ def evaluate_retrieval(
 
   tokenizer = data_lib.make_tokenizer_for(exp.data)
   documents = data_lib.load_documents(exp.data, split="validation", limit=exp.evals.num_documents)
+  # The eval step scores inside the sharded program (Trainer.score_fn): only
+  # answer scores and per-bucket loss sums reach the host.
   return evals_lib.run_evals(
-    trainer.logits_fn(state),
+    trainer.score_fn(state),
     tokenizer,
     config=exp.evals,
     workdir=workdir,
@@ -327,6 +329,7 @@ def run(
   *,
   compile_topology: str | None = None,
   compile_topology_num_slices: int = 1,
+  compile_step: str = "train",
   plan_hardware: str | None = None,
   plan_then_compile: bool = False,
   plan_gin_files: tuple[str, ...] = (),
@@ -343,7 +346,11 @@ def run(
     from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
     return compile_lib.run_compile(
-      exp, workdir, topology=compile_topology, num_slices=compile_topology_num_slices
+      exp,
+      workdir,
+      topology=compile_topology,
+      num_slices=compile_topology_num_slices,
+      step=compile_step,
     )
   if mode == "plan":
     from lctx import planner  # pylint: disable=g-import-not-at-top

@@ -8,6 +8,7 @@ shardings, and the train step is lowered and compiled once before the loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 import flax.linen as nn
@@ -15,13 +16,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lctx import host, metrics, models, parallel
-from lctx.kernels import chunked_cross_entropy
+from lctx.kernels import chunked_cross_entropy, chunked_token_scores
 from lctx.parallel import mesh as mesh_lib
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+# The eval step's batch (lctx/evals/scoring.py): [B, T] token arrays, then the
+# answer positions [B, K]; it returns [B, K] scores and [B, NUM_BUCKETS] sums.
+SCORE_KEYS = ("inputs", "positions", "segment_ids", "targets", "bucket")
+SCORE_BUCKETS = 32  # = lctx.evals.scoring.NUM_BUCKETS
+# Tokens per chunk of logits in the eval step when TrainConfig.loss_chunk_size
+# is None: the step never holds more than [chunk, E] logits.
+SCORE_CHUNK_TOKENS = 2048
 
 
 # ----------------------------------------------------------------------------
@@ -346,6 +355,7 @@ class Trainer:
     )
     self._train_step = None
     self._logits_apply = None
+    self._score_steps = {}  # with / without per-position loss buckets
     self._eval_step = jax.jit(
       self._eval_step_impl,
       in_shardings=(self.state_sharding, self.batch_sharding),
@@ -489,6 +499,130 @@ class Trainer:
       check_vma=False,
     )(hidden, unembed, targets, loss_mask, final_norm)
 
+  def _token_axes(self):
+    """(batch axes, sequence axes) of the mesh in use (size > 1), None for none."""
+    shape = mesh_lib.mesh_shape(self.mesh)
+    batch_axes = tuple(a for a in mesh_lib.BATCH_AXES if shape.get(a, 1) > 1) or None
+    seq_axes = tuple(a for a in mesh_lib.SEQ_AXES if shape.get(a, 1) > 1) or None
+    return batch_axes, seq_axes
+
+  def _token_logp(self, hidden, final_norm, unembed, targets):
+    """logp float32 [B, T] of each target under final_norm(hidden) @ unembed,
+    chunk by chunk (lctx.kernels.chunked_token_scores, no argmax), sharded like
+    _cross_entropy: each device over its own tokens."""
+    chunk = self.cfg.loss_chunk_size or SCORE_CHUNK_TOKENS
+
+    def fn(h, u, t, norm):
+      return chunked_token_scores(h, u, t, chunk_size=chunk, prologue=norm, greedy=False)[0]
+
+    batch_axes, seq_axes = self._token_axes()
+    if not (batch_axes or seq_axes) or mesh_lib.mesh_shape(self.mesh).get("tensor", 1) > 1:
+      return fn(hidden, unembed, targets, final_norm)
+    tokens = P(batch_axes, seq_axes)
+    return jax.shard_map(
+      fn,
+      mesh=self.mesh,
+      in_specs=(P(batch_axes, seq_axes, None), P(None, None), tokens, P()),
+      out_specs=tokens,
+      axis_names=set((batch_axes or ()) + (seq_axes or ())),
+      check_vma=False,
+    )(hidden, unembed, targets, final_norm)
+
+  def _gather_positions(self, x, index):
+    """x [B, T, C] (rows over the batch axes, T over the sequence axes) at
+    index int32 [B, K] (global positions along T) -> [B, K, C].
+
+    Each device picks the positions that fall in its own slice of T and the
+    sequence axes sum the picks (one non-zero term each, so the sum is exact):
+    only [B, K, C] moves, never x."""
+    batch_axes, seq_axes = self._token_axes()
+    if seq_axes is None:
+      return jnp.take_along_axis(x, index[:, :, None], axis=1)
+
+    def local(x, idx):
+      n = x.shape[1]
+      rel = idx - jax.lax.axis_index(seq_axes) * n
+      inside = (rel >= 0) & (rel < n)
+      picked = jnp.take_along_axis(x, jnp.clip(rel, 0, n - 1)[:, :, None], axis=1)
+      return jax.lax.psum(jnp.where(inside[:, :, None], picked, jnp.zeros_like(picked)), seq_axes)
+
+    return jax.shard_map(
+      local,
+      mesh=self.mesh,
+      in_specs=(P(batch_axes, seq_axes, None), P(batch_axes, None)),
+      out_specs=P(batch_axes, None, None),
+      axis_names=set((batch_axes or ()) + seq_axes),
+      check_vma=False,
+    )(x, index)
+
+  def _score_step_impl(self, params, batch, *, buckets: bool):
+    """The eval step: only what the evals score (lctx/evals/scoring.py).
+
+    batch (device order): inputs, positions, segment_ids, targets, bucket int32
+    [B, T]; score_index int32 [B, K] (device-order positions). Returns logp
+    float32 [B, K], correct bool [B, K] at score_index and bucket_loss float32
+    [B, SCORE_BUCKETS] (sum of -logp per bucket id). The answer positions'
+    hidden states are gathered first ([B, K, D]) and only they meet the whole
+    unembedding; with `buckets` (per-position loss) every token's logp is
+    computed too, chunk by chunk; without, bucket_loss is zeros. No [B, T, E]
+    value exists either way.
+    """
+    params = self._on_device(params, "params")
+    hidden, final_norm = self.model.apply(
+      {"params": params},
+      batch["inputs"],
+      batch["positions"],
+      batch["segment_ids"],
+      return_hidden="pre_norm",
+    )
+    unembed = models.unembed_matrix(params, self.model_cfg).astype(hidden.dtype)
+    index = batch["score_index"]
+    h_k = self._gather_positions(hidden, index)  # [B, K, D]
+    t_k = self._gather_positions(batch["targets"][:, :, None], index)[:, :, 0]  # [B, K]
+    chunk = self.cfg.loss_chunk_size or SCORE_CHUNK_TOKENS
+    logp, correct = chunked_token_scores(h_k, unembed, t_k, chunk_size=chunk, prologue=final_norm)
+    b = index.shape[0]
+    bucket_loss = jnp.zeros((b, SCORE_BUCKETS), jnp.float32)
+    if buckets:
+      every = self._token_logp(hidden, final_norm, unembed, batch["targets"])
+      bucket = batch["bucket"]
+      bucket_loss = jnp.stack(
+        [jnp.sum(jnp.where(bucket == k, -every, 0.0), axis=1) for k in range(SCORE_BUCKETS)],
+        axis=1,
+      )
+    return {"logp": logp, "correct": correct, "bucket_loss": bucket_loss}
+
+  def _score_jit(self, buckets: bool):
+    if buckets not in self._score_steps:
+      rows = NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
+      shardings = {k: self.batch_sharding for k in SCORE_KEYS} | {"score_index": rows}
+      self._score_steps[buckets] = jax.jit(
+        functools.partial(self._score_step_impl, buckets=buckets),
+        in_shardings=(self.state_sharding["params"], shardings),
+        # Replicated: every process reads the whole (small) result.
+        out_shardings=NamedSharding(self.mesh, P()),
+        compiler_options=self.compiler_options,
+      )
+    return self._score_steps[buckets]
+
+  def abstract_score_batch(self, batch_size: int | None = None, width: int = 64):
+    """ShapeDtypeStructs of one eval-step batch: [B, seq_len], K = width answer positions."""
+    b, t = batch_size or self.cfg.batch_size, self.cfg.seq_len
+    rows = NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
+    out = {
+      k: jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=self.batch_sharding) for k in SCORE_KEYS
+    }
+    out["score_index"] = jax.ShapeDtypeStruct((b, width), jnp.int32, sharding=rows)
+    return out
+
+  def lower_score_step(self, batch_size: int | None = None, width: int = 64, buckets: bool = True):
+    """Lowers the eval step on abstract inputs (`--compile_step=eval`); by
+    default the variant with per-position loss, the larger of the two."""
+    with self._context():
+      return self._score_jit(buckets).lower(
+        self.abstract_state["params"], self.abstract_score_batch(batch_size, width)
+      )
+
   def _train_step_impl(self, state, batch):
     # Offloaded parts (TrainConfig.offload_*) come to the device where used.
     state = dict(state, params=self._on_device(state["params"], "params"))
@@ -600,6 +734,67 @@ class Trainer:
       return self.plan.to_natural_order(np.asarray(jax.device_get(logits)))[:b]
 
     return fn
+
+  def score_fn(self, state):
+    """The evals' Scorer (lctx/evals/scoring.py) through the eval step.
+
+    Natural-order host rows are padded to the batch sharding, put in the plan's
+    device order (answer positions mapped through the same permutation) and
+    fed per process: each process passes only the rows its devices hold. The
+    step returns replicated [B, K] scores, so the host reads O(answer tokens).
+    """
+    from lctx.evals.scoring import Scorer  # pylint: disable=g-import-not-at-top
+
+    batch_ways, _ = mesh_lib.batch_shard_counts(self.mesh)
+    rows_sharding = NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
+
+    def fn(batch):
+      x = {k: np.asarray(batch[k], np.int32) for k in (*SCORE_KEYS, "score_index")}
+      if int(x["inputs"].max()) >= self.model_cfg.vocab_size:
+        raise ValueError(
+          f"the model scores {self.model_cfg.vocab_size} token ids but a token id is "
+          f"{int(x['inputs'].max())}: the model's vocab_size must be at least the "
+          "tokenizer's vocab_size."
+        )
+      b, t = x["inputs"].shape
+      pad = (-b) % batch_ways
+      if pad:
+        x = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in x.items()}
+      index = x.pop("score_index")
+      x = self.plan.to_device_order(x)
+      # slot[p]: where natural position p sits in device order.
+      order = self.plan.to_device_order({"p": np.arange(t)[None]})["p"][0]
+      slot = np.argsort(order).astype(np.int32)
+      x["score_index"] = slot[index]
+      lo, hi = _process_rows(self.batch_sharding, x["inputs"].shape)
+      arrays = {
+        k: jax.make_array_from_process_local_data(
+          rows_sharding if k == "score_index" else self.batch_sharding, v[lo:hi], v.shape
+        )
+        for k, v in x.items()
+      }
+      step = self._score_jit(bool((x["bucket"] >= 0).any()))
+      with self._context():
+        out = step(state["params"], arrays)
+      return {k: np.asarray(v.addressable_data(0))[:b] for k, v in out.items()}
+
+    return Scorer(fn)
+
+
+def _process_rows(sharding, shape) -> tuple[int, int]:
+  """[lo, hi): the global rows this process's devices hold (whole rows only)."""
+  spans = sharding.addressable_devices_indices_map(shape).values()
+  rows = {(s[0].start or 0, shape[0] if s[0].stop is None else s[0].stop) for s in spans}
+  cols = {(s[1].start or 0, shape[1] if s[1].stop is None else s[1].stop) for s in spans}
+  lo, hi = min(r[0] for r in rows), max(r[1] for r in rows)
+  covered = sum(b - a for a, b in sorted(rows))
+  if covered != hi - lo or min(c[0] for c in cols) != 0 or max(c[1] for c in cols) != shape[1]:
+    raise ValueError(
+      f"this process's devices hold rows {sorted(rows)} and sequence slices {sorted(cols)} "
+      f"of a {shape} eval batch; the evals feed whole, contiguous rows per process "
+      "(put the context axes within a host)."
+    )
+  return lo, hi
 
 
 class _MeshRules:

@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lctx.kernels import chunked_cross_entropy, chunked_mlp, reference_cross_entropy
+from lctx.kernels import (
+  chunked_cross_entropy,
+  chunked_mlp,
+  chunked_token_scores,
+  reference_cross_entropy,
+)
 
 
 def _ce_inputs(dtype=jnp.float32, b=2, t=24, d=16, e=40, seed=0):
@@ -198,3 +203,21 @@ def test_chunked_mlp_moves_no_token_between_devices():
     op: len(re.findall(op, hlo)) for op in ("all-to-all", "all-gather", "collective-permute")
   }
   assert not any(found.values()), found
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7, 48])
+def test_chunked_token_scores_match_full_logits(chunk_size):
+  hidden, unembed, targets, _ = _ce_inputs()
+  scale = jnp.linspace(0.5, 1.5, hidden.shape[-1])
+  full = np.asarray(jnp.einsum("BTD,DE->BTE", hidden * scale, unembed))  # [B, T, E] f32
+  targets = targets.at[0, :5].set(jnp.asarray(full[0, :5].argmax(-1)))  # some matches
+  x = full.astype(np.float64)
+  lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+  want = np.take_along_axis(x, np.asarray(targets)[..., None], -1)[..., 0] - lse
+  logp, correct = chunked_token_scores(
+    hidden, unembed, targets, chunk_size=chunk_size, prologue=lambda h: h * scale
+  )
+  assert logp.shape == correct.shape == targets.shape
+  np.testing.assert_allclose(np.asarray(logp), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(correct), full.argmax(-1) == np.asarray(targets))
+  assert np.asarray(correct)[0, :5].all()

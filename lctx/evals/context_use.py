@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lctx.evals.scoring import LogitsFn, token_scores
+from lctx.evals.scoring import NUM_BUCKETS, LogitsFn, Scorer, score_rows, token_scores
 
 
 def position_buckets(length: int) -> list[tuple[int, int]]:
@@ -37,7 +37,7 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
 
 
 def context_use(
-  logits_fn: LogitsFn,
+  logits_fn: Scorer | LogitsFn,
   documents: Sequence[np.ndarray],
   *,
   length: int,
@@ -61,17 +61,28 @@ def context_use(
   if not docs:
     raise ValueError(f"no document has at least {length} tokens.")
 
-  full_mask = np.ones(length, bool)
-  full_mask[0] = False
-  full = token_scores(
-    logits_fn, docs, [full_mask] * len(docs), batch_size=batch_size, length_multiple=length_multiple
+  # Full documents: per-bucket loss sums and the tail's per-token scores only.
+  spans = position_buckets(length)
+  if len(spans) > NUM_BUCKETS:
+    raise ValueError(f"length {length} has {len(spans)} position buckets > {NUM_BUCKETS}.")
+  bucket_of = np.full(length, -1, np.int32)
+  for k, (start, end) in enumerate(spans):
+    bucket_of[start:end] = k
+  tail_mask_l = np.zeros(length, bool)
+  tail_mask_l[-tail:] = True
+  full = score_rows(
+    logits_fn,
+    docs,
+    [tail_mask_l] * len(docs),
+    batch_size=batch_size,
+    length_multiple=length_multiple,
+    buckets=[bucket_of] * len(docs),
   )
-  losses = -np.stack([lp for lp, _ in full])  # [num_docs, length - 1], t = 1..
-
+  sums = np.stack([b for _, _, b in full]).sum(axis=0)  # [NUM_BUCKETS]
   buckets = []
-  for start, end in position_buckets(length):
-    chunk = losses[:, start - 1 : end - 1]
-    buckets.append({"start": start, "end": end, "loss": float(chunk.mean()), "n": int(chunk.size)})
+  for k, (start, end) in enumerate(spans):
+    n = (end - start) * len(docs)
+    buckets.append({"start": start, "end": end, "loss": float(sums[k] / n), "n": int(n)})
 
   tail_mask_w = np.zeros(window, bool)
   tail_mask_w[-tail:] = True
@@ -82,7 +93,7 @@ def context_use(
     batch_size=batch_size,
     length_multiple=length_multiple,
   )
-  loss_full = losses[:, -tail:]  # [num_docs, tail]
+  loss_full = -np.stack([lp for lp, _, _ in full])  # [num_docs, tail]
   loss_trunc = -np.stack([lp for lp, _ in trunc])  # [num_docs, tail]
   ablation = {
     "window": int(window),
@@ -98,8 +109,6 @@ def context_use(
     "gap_replaced": None,
   }
   if len(docs) >= 2:
-    tail_mask_l = np.zeros(length, bool)
-    tail_mask_l[-tail:] = True
     swapped = [
       np.concatenate([docs[(i + 1) % len(docs)][: length - window], d[-window:]])
       for i, d in enumerate(docs)

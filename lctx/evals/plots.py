@@ -25,10 +25,14 @@ def _variant(rec: dict) -> str:
   return "removed" if rec["needle_removed"] else "main"
 
 
+def _depth_label(d) -> str:
+  return "all" if d is None else f"{d:g}"  # task files carry no depth
+
+
 def _table(records: Sequence[dict], key: str = "accuracy"):
   """(lengths, depths, values [len(lengths), len(depths)]) with NaN for gaps."""
   lengths = sorted({r["length"] for r in records})
-  depths = sorted({r["depth"] for r in records})
+  depths = sorted({r["depth"] for r in records}, key=lambda d: -1.0 if d is None else d)
   vals = np.full((len(lengths), len(depths)), np.nan)
   for r in records:
     if r.get(key) is not None:
@@ -57,7 +61,7 @@ def heatmap(records: Sequence[dict], task: str, path: str, *, step: int) -> None
       for j in range(len(depths)):
         if not np.isnan(vals[i, j]):
           ax.text(j, i, f"{vals[i, j]:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xticks(range(len(depths)), [_depth_label(d) for d in depths])
     ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_xlabel("needle depth (fraction)")
     if ax is axes[0][0]:
@@ -108,7 +112,7 @@ def summary_markdown(
     lines += [f"## {task}", ""]
     main = [r for r in rs if _variant(r) == "main"]
     lengths, depths, vals = _table(main)
-    lines.append("| length \\ depth | " + " | ".join(f"{d:g}" for d in depths) + " | mean |")
+    lines.append("| length \\ depth | " + " | ".join(_depth_label(d) for d in depths) + " | mean |")
     lines.append("|---" * (len(depths) + 2) + "|")
     for i, n in enumerate(lengths):
       cells = " | ".join("-" if np.isnan(v) else f"{v:.2f}" for v in vals[i])

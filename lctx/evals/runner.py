@@ -29,7 +29,8 @@ from lctx.evals import plots
 from lctx.evals.context_use import context_use, context_use_metrics
 from lctx.evals.grid import grid_metrics, run_grid
 from lctx.evals.haystack import HAYSTACK_KINDS, make_haystack
-from lctx.evals.scoring import LogitsFn
+from lctx.evals.scoring import LogitsFn, Scorer
+from lctx.evals.task_files import run_task_files, task_name
 from lctx.evals.tasks import TASKS
 
 _log = logging.getLogger(__name__)
@@ -78,11 +79,24 @@ class EvalConfig:
   and, those at least context_length long, the context-use evals."""
   key_threshold: float = 2.0
   """LongPPL key-token threshold in nats."""
+  task_files: tuple[str, ...] = ()
+  """RULER-format jsonl files (lctx/evals/task_files.py), scored beside the
+  built-in tasks; each is a task named after its file."""
 
   def __post_init__(self):
     bad = [t for t in self.tasks if t not in TASKS]
-    if bad or not self.tasks:
-      raise ValueError(f"EvalConfig.tasks {self.tasks} must be a non-empty subset of {TASKS}.")
+    if bad or not (self.tasks or self.task_files):
+      raise ValueError(
+        f"EvalConfig.tasks {self.tasks} must be a subset of {TASKS}, non-empty unless "
+        "task_files are given."
+      )
+    names = [task_name(p) for p in self.task_files]
+    clash = sorted({n for n in names if n in self.tasks or names.count(n) > 1})
+    if clash:
+      raise ValueError(
+        f"EvalConfig.task_files {self.task_files}: task names {clash} (from the file names) "
+        "repeat a built-in task or another file."
+      )
     if not self.lengths or min(self.lengths) < 2:
       raise ValueError(f"EvalConfig.lengths must be positive, got {self.lengths}.")
     if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
@@ -117,7 +131,7 @@ def _write_json(path: str, obj) -> None:
 
 
 def run_evals(
-  logits_fn: LogitsFn,
+  logits_fn: Scorer | LogitsFn,
   tokenizer,
   *,
   config: EvalConfig,
@@ -132,10 +146,12 @@ def run_evals(
   such as `eval/passkey/acc`, `eval/passkey/removed_acc`,
   `eval/context/gap_truncated` for metrics.jsonl / TensorBoard.
 
-  logits_fn: batch {inputs, positions, segment_ids: int32 [B, T]} in natural
-    order -> float32 logits [B, T, E]; B = config.batch_size and T a multiple
-    of config.length_multiple (rows are right-padded with pad 0 / segment 0).
-    Every process must call run_evals (the forward is collective).
+  logits_fn: the model: a Scorer (lctx/evals/scoring.py; the trainer's
+    in-program eval step, Trainer.score_fn) or a plain logits function, batch
+    {inputs, positions, segment_ids: int32 [B, T]} in natural order -> float32
+    logits [B, T, E] (scored on the host). B = config.batch_size and T a
+    multiple of config.length_multiple (rows are right-padded with pad 0 /
+    segment 0). Every process must call run_evals (the forward is collective).
   documents: held-out texts (str) or token-id arrays: the 'text' haystack and
     the context-use evals. Only the first config.num_documents are read.
   write_files: None = only jax.process_index() == 0 writes.
@@ -177,8 +193,17 @@ def run_evals(
     held_out_phrasing=config.held_out_phrasing,
     attention_windows=attention_windows,
   )
+  if config.task_files:
+    records += run_task_files(
+      logits_fn,
+      tokenizer,
+      config.task_files,
+      batch_size=config.batch_size,
+      length_multiple=config.length_multiple,
+      add_bos=config.add_bos,
+    )
   metrics = grid_metrics(records)
-  main = [v for k, v in metrics.items() if k.endswith("/acc")]
+  main = [metrics[f"eval/{t}/acc"] for t in config.tasks if f"eval/{t}/acc" in metrics]
   if main:
     metrics["eval/retrieval/acc"] = float(np.mean(main))
 

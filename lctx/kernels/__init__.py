@@ -16,7 +16,12 @@ Imports nothing else from lctx. See docs/contracts.md for the signatures.
 """
 
 from lctx.kernels.blockwise import blockwise_attention, blockwise_block_counts
-from lctx.kernels.chunked import chunked_cross_entropy, chunked_mlp, reference_cross_entropy
+from lctx.kernels.chunked import (
+  chunked_cross_entropy,
+  chunked_mlp,
+  chunked_token_scores,
+  reference_cross_entropy,
+)
 from lctx.kernels.cpu_fused import cpu_fused_attention
 from lctx.kernels.flash import (
   BACKENDS,
@@ -42,6 +47,7 @@ __all__ = [
   "choose_backend",
   "chunked_cross_entropy",
   "chunked_mlp",
+  "chunked_token_scores",
   "cpu_fused_attention",
   "flash_attention",
   "reference_attention",

@@ -280,3 +280,52 @@ def chunked_cross_entropy(
     *consts,
   )
   return sum_loss, sum_z, jnp.sum(w)
+
+
+# ---------------------------------------------------------------------------
+# Per-token scores (evals): forward only, one chunk of logits at a time
+# ---------------------------------------------------------------------------
+
+
+def chunked_token_scores(hidden, unembed, targets, *, chunk_size, prologue=None, greedy=True):
+  """Per-token log-probability and greedy match of each target, never holding
+  `[B*T, E]` logits: the evals' forward-only counterpart of chunked_cross_entropy.
+
+  Args:
+    hidden, unembed, targets, chunk_size, prologue: as chunked_cross_entropy.
+
+  Returns:
+    (logp float32 `[B, T]`: log softmax(hidden @ unembed)[target], correct bool
+    `[B, T]`: argmax == target, ties to the lowest id as np.argmax; None with
+    greedy=False, which skips the argmax, a pass over each chunk's logits).
+  """
+  _check_chunk_size(chunk_size)
+  b, t, d = hidden.shape
+  if unembed.ndim != 2 or unembed.shape[0] != d:
+    raise ValueError(f"unembed must be [D={d}, E]; got {unembed.shape}")
+  if targets.shape != (b, t):
+    raise ValueError(f"targets {targets.shape} must be [B, T] = {(b, t)}")
+  tokens = b * t
+  c = tokens if chunk_size is None else min(int(chunk_size), tokens)
+  n_chunks = -(-tokens // c)
+  pad = n_chunks * c - tokens
+  h = hidden.reshape(tokens, d)
+  tg = targets.reshape(tokens).astype(jnp.int32)
+  if pad:
+    h = jnp.pad(h, [(0, pad), (0, 0)])
+    tg = jnp.pad(tg, [(0, pad)])
+  pro, consts = jax.closure_convert(
+    prologue or _identity, jax.ShapeDtypeStruct((c, d), hidden.dtype)
+  )
+
+  def body(_, xs):
+    h_c, t_c = xs
+    logits = _chunk_logits(pro(h_c, *consts), unembed)  # [c, E]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
+    return None, (tgt - lse, jnp.argmax(logits, axis=-1) == t_c)
+
+  _, (logp, correct) = jax.lax.scan(
+    body, None, (h.reshape(n_chunks, c, d), tg.reshape(n_chunks, c))
+  )
+  return logp.reshape(-1)[:tokens].reshape(b, t), correct.reshape(-1)[:tokens].reshape(b, t)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lctx.data import pipeline
+from lctx.data import pipeline, streams
 from lctx.data.tokenizers import make_tokenizer
 
 
@@ -33,19 +33,14 @@ def document_lengths(
   """Token lengths (with BOS/EOS) of up to max_docs documents per corpus source."""
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
   out = {}
-  for kind in config.sources:
-    source = pipeline.document_source(config, kind, split)
+  for spec in config.source_specs():
+    source = streams.document_source(config, spec, split)
     if source is None:
       continue
     idx = np.linspace(0, len(source) - 1, min(max_docs, len(source))).astype(int)
-    out[kind] = [
+    out[spec.label] = [
       len(
-        pipeline._encode_document(
-          source[int(i)],
-          tokenizer,  # pylint: disable=protected-access
-          config.add_bos,
-          config.add_eos,
-        )["tokens"]
+        streams.encode_document(source[int(i)], tokenizer, config.add_bos, config.add_eos)["tokens"]
       )
       for i in idx
     ]

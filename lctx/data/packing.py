@@ -24,7 +24,7 @@ import grain
 import numpy as np
 
 PACKED_FEATURES = ("inputs", "targets", "positions", "loss_mask")
-SOURCE_FEATURES = ("source", "doc_len")  # carried only for reports (WindowDocument)
+SOURCE_FEATURES = ("source", "doc_len", "doc_start")  # carried only for reports (WindowDocument)
 
 
 class WindowDocument(grain.experimental.FlatMapTransform):
@@ -41,8 +41,9 @@ class WindowDocument(grain.experimental.FlatMapTransform):
     source_id: int | None = None,
   ):
     """max_windows: keep only a document's first that many windows (None: all).
-    source_id: when given, each window also carries `source` (this id, >= 1) and
-    `doc_len` (the whole document's tokens), int32 [n], for reports."""
+    source_id: when given, each window also carries `source` (this id, >= 1),
+    `doc_len` (the whole document's tokens) and `doc_start` (1 on a document's
+    first token), int32 [n], for reports."""
     if continuation_positions not in ("absolute", "restart"):
       raise ValueError(
         f"continuation_positions must be 'absolute' or 'restart', got {continuation_positions!r}."
@@ -72,6 +73,7 @@ class WindowDocument(grain.experimental.FlatMapTransform):
       if self.source_id is not None:
         window["source"] = np.full(end - start, self.source_id, np.int32)
         window["doc_len"] = np.full(end - start, len(tokens), np.int32)
+        window["doc_start"] = (np.arange(start, end) == 0).astype(np.int32)
       windows.append(window)
     return windows
 
@@ -111,4 +113,5 @@ def to_batch_contract(row: dict[str, Any], *, absolute: bool) -> dict[str, np.nd
   if "source" in row:  # reports only (WindowDocument source_id): 0 = pad
     out["source_ids"] = np.where(real, row["source"], 0).astype(np.int32)
     out["document_lengths"] = np.where(real, row["doc_len"], 0).astype(np.int32)
+    out["document_starts"] = np.where(real, row["doc_start"], 0).astype(np.int32)
   return out

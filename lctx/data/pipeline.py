@@ -265,8 +265,9 @@ def make_dataset(
   """The grain IterDataset behind make_iterator (same arguments).
 
   with_sources: batches also carry `source_ids` (1 + the source's index in
-  config.sources, 0 = pad) and `document_lengths` (tokens of each token's whole
-  document), int32 [batch, seq], for reports; not part of the batch contract.
+  config.sources, 0 = pad), `document_lengths` (tokens of each token's whole
+  document) and `document_starts` (1 on a document's first token), int32
+  [batch, seq], for reports; not part of the batch contract.
   """
   if process_index is None or process_count is None:
     import jax  # pylint: disable=g-import-not-at-top  (only when not given)
@@ -322,6 +323,7 @@ def make_iterator(
   process_index: int | None = None,
   process_count: int | None = None,
   batch_transform: Callable[[dict], dict] | None = None,
+  with_sources: bool = False,
 ) -> grain.DatasetIterator:
   """Per-host iterator of batches: dict of numpy arrays, each [batch_size, seq_len]:
   inputs, targets, segment_ids, positions int32; loss_mask float32.
@@ -336,6 +338,8 @@ def make_iterator(
     the whole global stream (documents read per host = all of them).
   batch_transform: applied last to every batch (e.g. the context-parallel
     zigzag reorder); it must be deterministic for resumption to be exact.
+  with_sources: also `source_ids`, `document_lengths`, `document_starts` (see
+    make_dataset), for reports and tests.
   The iterator's get_state() is a JSON-serialisable dict; set_state(state)
   resumes exactly. A finite num_epochs ends with StopIteration; a last partial
   batch is dropped.
@@ -350,6 +354,7 @@ def make_iterator(
       process_index=process_index,
       process_count=process_count,
       batch_transform=batch_transform,
+      with_sources=with_sources,
     )
   )
 

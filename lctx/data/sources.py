@@ -97,7 +97,7 @@ class LctxTextCorpus(tfds.core.GeneratorBasedBuilder):
       keys = corpus.list_documents(cfg.text_glob)
     else:  # one pass to find the rows (and the bad ones) before writing
       skipped = []
-      keys = [k for k, _ in self._rows(skipped.append)]
+      keys = [k for k, _ in self._rows(skipped.append if cfg.skip_bad_rows else None)]
       self.info.metadata["skipped_rows"] = len(skipped)
       self.info.metadata["first_skipped_row"] = str(skipped[0]) if skipped else ""
       if not keys:
@@ -108,9 +108,11 @@ class LctxTextCorpus(tfds.core.GeneratorBasedBuilder):
     return {name: self._generate_examples(k) for name, k in splits.items() if k}
 
   def _rows(self, on_bad_row=None):
+    """Every good row; a bad one raises unless on_bad_row takes it (or, past the
+    first pass, which counted them, skip_bad_rows drops it)."""
     cfg = self.builder_config
     if on_bad_row is None and cfg.skip_bad_rows:
-      on_bad_row = lambda error: None  # noqa: E731  (counted in the first pass)
+      on_bad_row = lambda error: None  # noqa: E731
     return files.iter_rows(cfg.kind, cfg.text_glob, cfg.field, on_bad_row)
 
   def _generate_examples(self, keys):

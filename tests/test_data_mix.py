@@ -257,3 +257,12 @@ def test_inspect_data_writes_the_contract(mix, tmp_path):
   # Code repositories (a stdlib package each) are all longer than a window.
   assert record["sources"][0]["long_document_token_share"] == 1.0
   assert "in_long_docs" in report and "fill_ratio: " in report
+
+
+def test_a_data_state_saved_by_every_process_alike_restores_on_another_count():
+  from lctx import checkpoint as ckpt_lib
+
+  own = ckpt_lib.Checkpointer._own_data_state  # pylint: disable=protected-access
+  same = {"processes": [{"a": 1}, {"a": 1}]}
+  assert own(None, 2, same) == {"a": 1}  # a global order: any process count
+  assert own(None, 2, {"processes": [{"a": 1}, {"a": 2}]}) == {}  # per-process shards

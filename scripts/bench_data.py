@@ -18,8 +18,8 @@ train step's consumption to compare with.
 3. The global order: every process builds the whole global batch and keeps its
    rows, so documents read per process do not fall with the process count. For
    each --processes count, process 0's documents read (prefetch included) for
-   --num_batches batches of its own rows, the documents that begin in those
-   rows, and the tokens/s of its own rows.
+   --num_batches batches of its own rows, the corpus documents that begin in
+   those rows, and the tokens/s of its own rows.
 4. --train_steps > 0: gin/local_cpu.gin trained that many steps in a temporary
    workdir; the tokens/s of its last logged window is what the train step
    consumes, and the pipeline's ratio to it is printed.
@@ -36,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -148,6 +150,7 @@ class _CountingSource:
 def bench_global_order(config: DataConfig, args, seq_len: int) -> list[dict]:
   """Process 0's documents read and own-row tokens/s, per process count."""
   open_source = streams.document_source
+  corpus_ids = [i + 1 for i, spec in enumerate(config.source_specs()) if spec.is_corpus]
   rows = []
   for count in (int(p) for p in args.processes.split(",")):
     counters = []
@@ -171,7 +174,8 @@ def bench_global_order(config: DataConfig, args, seq_len: int) -> list[dict]:
       for _ in range(args.num_batches):
         batch = next(it)
         real += int((batch["segment_ids"] > 0).sum())
-        own_docs += int(batch["document_starts"].sum())
+        corpus = np.isin(batch["source_ids"], corpus_ids)
+        own_docs += int(batch["document_starts"][corpus].sum())
       seconds = time.perf_counter() - start
     finally:
       streams.document_source = open_source

@@ -179,6 +179,10 @@ class Checkpointer:
     if "processes" not in saved:  # written before per-process data states
       return saved if jax.process_count() == 1 else {}
     processes = saved["processes"]
+    if len(processes) != jax.process_count() and all(p == processes[0] for p in processes):
+      # Every process saved the same state (lctx.data reads one global order):
+      # it continues the same stream on any number of processes.
+      return dict(processes[0] or {})
     if len(processes) != jax.process_count():
       logging.warning(
         "Checkpoint step %d holds the data state of %d processes, this run has %d: "

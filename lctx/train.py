@@ -376,11 +376,15 @@ def run(
     jax.devices()[0].device_kind,
   )
   if mode == "inspect_data":
+    # The global batch, as the train step sees it; process 0 writes the record.
+    path = os.path.join(workdir, "inspect_data.json") if jax.process_index() == 0 else None
     print(
       data_lib.inspect_data(
         exp.data,
-        batch_size=max(1, exp.train.batch_size // jax.process_count()),
+        batch_size=exp.train.batch_size,
         seq_len=exp.train.seq_len,
+        seed=exp.train.seed,
+        json_path=path,
       )
     )
     return
@@ -396,6 +400,14 @@ def run(
   state = start_state(exp, trainer, checkpointer, train_iter, mode)
 
   writer = metrics_lib.MetricWriter(workdir)
+  skipped_rows = data_lib.skipped_rows(exp.data)
+  if skipped_rows:
+    logging.warning(
+      "The data skipped %d bad rows (DataConfig.skip_bad_rows); the first: %s",
+      skipped_rows["data/skipped_rows"],
+      skipped_rows["data/first_skipped_row"],
+    )
+    writer.write(int(jax.device_get(state["step"])), skipped_rows)
   preemption = ckpt_lib.PreemptionWatch() if mode in ("train", "train_and_eval") else None
   profiler = metrics_lib.Profiler(exp.train.profile_steps, os.path.join(workdir, "profile"))
   try:

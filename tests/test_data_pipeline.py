@@ -317,9 +317,9 @@ def test_mixture_weights_and_batch_transform(corpus):
     copies = sum(1 for p in starts if bytes((p[0][1:6] - 3).astype(np.uint8)) == b"key: ")
     return copies / len(starts)
 
-  # Weights are document-sampling probabilities: 3:1 for copy must give far more
-  # copy documents than 1:3 (short copy documents fill rows faster than cut text,
-  # so both shares lean to copy: measured 0.89 and 0.48 here).
+  # Weights are token shares: 3:1 for copy must give far more copy documents
+  # than 1:3 (copy documents are shorter than the cut text's windows, so both
+  # shares of document starts lean to copy: measured 0.91 and 0.55 here).
   more, fewer = copy_share((1.0, 3.0)), copy_share((3.0, 1.0))
   assert more - fewer > 0.25, (more, fewer)
 

@@ -5,6 +5,7 @@ Public entry points (see each docstring):
   inspect_data                              packing report (main.py --mode=inspect_data)
   make_tokenizer_for, load_documents        tokenizer and held-out texts for evals
   register_task_source                      synthetic sources defined above data
+  skipped_rows                              bad rows skipped (DataConfig.skip_bad_rows)
   make_tokenizer, ByteTokenizer, SentencePieceTokenizer, HFTokenizer
   prepare_text_corpus, open_text_corpus, open_tfds   document sources
 
@@ -30,6 +31,8 @@ _EXPORTS = {
   "make_tokenizer_for": "pipeline",
   "load_documents": "pipeline",
   "register_task_source": "pipeline",
+  "skipped_rows": "pipeline",
+  "SourceSpec": "specs",
   "task_source_names": "pipeline",
   "inspect_data": "inspect",
 }

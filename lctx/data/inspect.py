@@ -1,10 +1,26 @@
-"""Packing report for `main.py --mode=inspect_data`: what the model will see."""
+"""Packing report for `main.py --mode=inspect_data`: what the model will see.
+
+Besides the text report, `inspect_data(..., json_path=...)` writes the record
+(a contract, `<workdir>/inspect_data.json` in main.py):
+
+    {"fill_ratio": float, "batches": int, "batch_size": int, "seq_len": int,
+     "sources": [{"name", "weight", "token_share", "documents", "tokens",
+                  "long_document_token_share", "length_histogram"}, ...]}
+
+token_share: the source's share of the non-pad tokens read; documents: how
+many documents began in them; long_document_token_share: share of its tokens
+that sit in documents longer than one window (seq_len examples);
+length_histogram: {"edges": token lengths, "documents": [n per bin],
+"tokens": [n per bin]} (bin i holds edges[i] <= length < edges[i + 1]).
+"""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
-from lctx.data import pipeline
+from lctx.data import pipeline, streams
 from lctx.data.tokenizers import make_tokenizer
 
 
@@ -33,19 +49,14 @@ def document_lengths(
   """Token lengths (with BOS/EOS) of up to max_docs documents per corpus source."""
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
   out = {}
-  for kind in config.sources:
-    source = pipeline.document_source(config, kind, split)
+  for spec in config.source_specs():
+    source = streams.document_source(config, spec, split)
     if source is None:
       continue
     idx = np.linspace(0, len(source) - 1, min(max_docs, len(source))).astype(int)
-    out[kind] = [
+    out[spec.label] = [
       len(
-        pipeline._encode_document(
-          source[int(i)],
-          tokenizer,  # pylint: disable=protected-access
-          config.add_bos,
-          config.add_eos,
-        )["tokens"]
+        streams.encode_document(source[int(i)], tokenizer, config.add_bos, config.add_eos)["tokens"]
       )
       for i in idx
     ]
@@ -86,6 +97,7 @@ def inspect_data(
   seed: int = 0,
   split: str = "train",
   show_tokens: int = 300,
+  json_path: str | None = None,
 ) -> str:
   """Reads batches and returns a multi-line report, including `fill_ratio: <x>`
   (non-pad tokens / all tokens, with its 95% interval), documents per row, the
@@ -95,6 +107,7 @@ def inspect_data(
   num_batches: read exactly this many; None reads until fill_ratio is known to
   +-0.005 (95%), see read_until_stable (one batch's fill varies by ~0.02 on the
   default corpus, so that takes ~80 batches of 8 rows).
+  json_path: also write the record of the module docstring there.
   """
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
   it = pipeline.make_iterator(
@@ -105,6 +118,7 @@ def inspect_data(
     seed=seed,
     process_index=0,
     process_count=1,
+    with_sources=True,
   )
   if num_batches is None:
     batches, half_width = read_until_stable(it)
@@ -122,7 +136,7 @@ def inspect_data(
   pieces = [end - start for r in rows for _, start, end in r]
   continued = sum(1 for i, r in enumerate(rows) for _, s, _ in r if pos[i, s] > 0)
   lines = [
-    f"sources: {', '.join(config.sources)}  packing: {config.packing}  "
+    f"sources: {', '.join(s.label for s in config.source_specs())}  packing: {config.packing}  "
     f"tokenizer: {config.tokenizer} (vocab {tokenizer.vocab_size})  "
     f"positions: {config.continuation_positions}",
     f"batches: {num_batches} x [{batch_size}, {seq_len}] = {seg.size} tokens",
@@ -134,6 +148,8 @@ def inspect_data(
   ]
   for kind, lengths in document_lengths(config, split=split).items():
     lines.append(f"document_length[{kind}] (tokens, sample): {_percentiles(lengths)}")
+  record = source_record(config, batches, seq_len)
+  lines += source_table(record)
   inputs = batches[0]["inputs"][0]
   lines.append(f"row 0 start ({show_tokens} tokens; ‖[seg s @pos p] marks a segment start):")
   text = []
@@ -143,4 +159,65 @@ def inspect_data(
     text.append(f"‖[seg {s} @pos {int(pos[0, start])}]")
     text.append(tokenizer.decode(inputs[start : min(end, show_tokens)]))
   lines.append("".join(text))
+  if json_path is not None:
+    record = dict(
+      fill_ratio=float((seg > 0).mean()),
+      batches=num_batches,
+      batch_size=batch_size,
+      seq_len=seq_len,
+      **record,
+    )
+    with open(json_path, "w") as f:
+      json.dump(record, f, indent=2)
+    lines.append(f"wrote {json_path}")
   return "\n".join(lines)
+
+
+HISTOGRAM_EDGES = (0, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
+
+
+def source_record(config, batches: list[dict], seq_len: int) -> dict:
+  """{'sources': [...]} of the module docstring, from batches read with_sources."""
+  src = np.concatenate([b["source_ids"] for b in batches]).ravel()
+  lengths = np.concatenate([b["document_lengths"] for b in batches]).ravel()
+  starts = np.concatenate([b["document_starts"] for b in batches]).ravel() > 0
+  specs = config.source_specs()
+  total_weight = sum(spec.weight for spec in specs)
+  real = max(int((src > 0).sum()), 1)
+  edges = np.asarray(HISTOGRAM_EDGES + (np.iinfo(np.int64).max,))
+  out = []
+  for i, spec in enumerate(specs):
+    mine = src == i + 1
+    tokens = int(mine.sum())
+    doc_lengths = lengths[mine & starts]
+    out.append(
+      dict(
+        name=spec.label,
+        weight=spec.weight / total_weight,
+        token_share=tokens / real,
+        documents=int(len(doc_lengths)),
+        tokens=tokens,
+        # More than seq_len next-token examples = cut into several windows.
+        long_document_token_share=float((lengths[mine] - 1 > seq_len).sum() / max(tokens, 1)),
+        length_histogram=dict(
+          edges=list(HISTOGRAM_EDGES),
+          documents=np.histogram(doc_lengths, edges)[0].tolist(),
+          tokens=np.histogram(lengths[mine], edges)[0].tolist(),
+        ),
+      )
+    )
+  return {"sources": out}
+
+
+def source_table(record: dict) -> list[str]:
+  """The record's sources as table lines."""
+  lines = [
+    f"{'source':<24} {'weight':>7} {'token_share':>11} {'documents':>9} {'tokens':>10} "
+    f"{'in_long_docs':>12}"
+  ]
+  for r in record["sources"]:
+    lines.append(
+      f"{r['name'][:24]:<24} {r['weight']:>7.3f} {r['token_share']:>11.4f} {r['documents']:>9} "
+      f"{r['tokens']:>10} {r['long_document_token_share']:>12.3f}"
+    )
+  return lines

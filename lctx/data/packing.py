@@ -24,6 +24,7 @@ import grain
 import numpy as np
 
 PACKED_FEATURES = ("inputs", "targets", "positions", "loss_mask")
+SOURCE_FEATURES = ("source", "doc_len", "doc_start")  # carried only for reports (WindowDocument)
 
 
 class WindowDocument(grain.experimental.FlatMapTransform):
@@ -32,13 +33,25 @@ class WindowDocument(grain.experimental.FlatMapTransform):
   Each window: inputs/targets/positions int32 [n], loss_mask float32 [n], n <= S.
   """
 
-  def __init__(self, seq_len: int, continuation_positions: str):
+  def __init__(
+    self,
+    seq_len: int,
+    continuation_positions: str,
+    max_windows: int | None = None,
+    source_id: int | None = None,
+  ):
+    """max_windows: keep only a document's first that many windows (None: all).
+    source_id: when given, each window also carries `source` (this id, >= 1),
+    `doc_len` (the whole document's tokens) and `doc_start` (1 on a document's
+    first token), int32 [n], for reports."""
     if continuation_positions not in ("absolute", "restart"):
       raise ValueError(
         f"continuation_positions must be 'absolute' or 'restart', got {continuation_positions!r}."
       )
     self.seq_len = seq_len
     self.absolute = continuation_positions == "absolute"
+    self.max_windows = max_windows
+    self.source_id = source_id
     # Only a bound for grain's bookkeeping; documents longer than this many
     # windows are still cut completely (grain does not enforce it here).
     self.max_fan_out = 1 << 20
@@ -47,17 +60,21 @@ class WindowDocument(grain.experimental.FlatMapTransform):
     tokens, target_mask = element["tokens"], element["target_mask"]
     n = len(tokens) - 1  # number of next-token examples
     windows = []
-    for start in range(0, n, self.seq_len):
+    starts = range(0, n, self.seq_len)
+    for start in starts[: self.max_windows] if self.max_windows else starts:
       end = min(start + self.seq_len, n)
       first = start if self.absolute else 0
-      windows.append(
-        {
-          "inputs": tokens[start:end],
-          "targets": tokens[start + 1 : end + 1],
-          "positions": np.arange(first, first + end - start, dtype=np.int32),
-          "loss_mask": target_mask[start + 1 : end + 1],
-        }
-      )
+      window = {
+        "inputs": tokens[start:end],
+        "targets": tokens[start + 1 : end + 1],
+        "positions": np.arange(first, first + end - start, dtype=np.int32),
+        "loss_mask": target_mask[start + 1 : end + 1],
+      }
+      if self.source_id is not None:
+        window["source"] = np.full(end - start, self.source_id, np.int32)
+        window["doc_len"] = np.full(end - start, len(tokens), np.int32)
+        window["doc_start"] = (np.arange(start, end) == 0).astype(np.int32)
+      windows.append(window)
     return windows
 
 
@@ -86,10 +103,15 @@ def to_batch_contract(row: dict[str, Any], *, absolute: bool) -> dict[str, np.nd
   else:
     positions = restart_positions(segment_ids)
   real = segment_ids > 0
-  return {
+  out = {
     "inputs": np.where(real, row["inputs"], 0).astype(np.int32),
     "targets": np.where(real, row["targets"], 0).astype(np.int32),
     "segment_ids": segment_ids,
     "positions": np.where(real, positions, 0).astype(np.int32),
     "loss_mask": np.where(real, row["loss_mask"], 0).astype(np.float32),
   }
+  if "source" in row:  # reports only (WindowDocument source_id): 0 = pad
+    out["source_ids"] = np.where(real, row["source"], 0).astype(np.int32)
+    out["document_lengths"] = np.where(real, row["doc_len"], 0).astype(np.int32)
+    out["document_starts"] = np.where(real, row["doc_start"], 0).astype(np.int32)
+  return out

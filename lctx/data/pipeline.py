@@ -1,5 +1,6 @@
-"""The grain pipeline: sources -> shard -> shuffle -> tokenize -> windows ->
-mixture -> packing -> batch contract -> batches -> batch_transform.
+"""The grain pipeline: sources -> select/upsample by length -> shuffle ->
+tokenize -> windows -> mixture by tokens -> packing -> batch contract -> global
+batches -> this process's rows -> batch_transform.
 
     it = make_iterator(DataConfig(), split="train", batch_size=8, seq_len=1024, seed=0)
     batch = next(it)            # dict of numpy [8, 1024], see docs/contracts.md
@@ -9,7 +10,9 @@ mixture -> packing -> batch contract -> batches -> batch_transform.
 Every random choice derives from `seed` and element indices (grain's index
 shuffles, per-document rngs), never from wall-clock or thread timing, so two
 runs with one seed give identical batches and a restored state continues the
-uninterrupted stream.
+uninterrupted stream. Every process builds the same global stream and keeps its
+block of rows, so the global batch, and the state, do not depend on the number
+of processes (a checkpoint resumes on another process count).
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from collections.abc import Callable
 import grain
 import numpy as np
 
+from lctx.data import mixing, streams, synthetic
 from lctx.data import packing as packing_lib
-from lctx.data import sources as sources_lib
-from lctx.data import synthetic
+from lctx.data.specs import SourceSpec, parse_spec
 from lctx.data.tokenizers import make_tokenizer
 
-SOURCE_KINDS = ("text", "tfds", "copy")
+SOURCE_KINDS = ("text", "tfds", "copy")  # the names DataConfig.sources accepts as strings
 # Synthetic task sources registered from outside lctx.data (e.g. the retrieval
 # tasks of lctx.evals), so data never imports the packages above it.
 _TASK_SOURCES: dict[str, Callable[..., tuple[np.ndarray, np.ndarray]]] = {}
@@ -41,7 +44,7 @@ def register_task_source(
   layout as the copy task: a pure function of its arguments, so the source is
   random access, deterministic and shards by index.
   """
-  if name in SOURCE_KINDS:
+  if name in SOURCE_KINDS or name in ("jsonl", "parquet"):
     raise ValueError(f"task source name {name!r} collides with a built-in source.")
   _TASK_SOURCES[name] = make_document
 
@@ -50,20 +53,20 @@ def task_source_names() -> tuple[str, ...]:
   return tuple(_TASK_SOURCES)
 
 
-_COPY_TASK_SIZE = 2**31 - 1  # documents per epoch of the (endless) copy task
-
-
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """What to read and how to pack it. Each field is a plain gin-bindable value."""
 
-  sources: tuple[str, ...] = ("text",)
-  """Sources mixed into the stream: 'text' (local corpus builder over text_glob),
-  'tfds' (catalogue dataset tfds_name/tfds_feature), 'copy' (synthetic copy task;
-  needs no corpus)."""
+  sources: tuple = ("text",)
+  """Sources mixed into the stream. A name: 'text' (local corpus builder over
+  text_glob), 'tfds' (catalogue dataset tfds_name/tfds_feature), 'copy'
+  (synthetic copy task; needs no corpus) or a registered task. Or a dict
+  {kind, path | name, field, weight, min_tokens, max_tokens, upsample,
+  max_windows_per_document} (lctx/data/specs.py): several files of one kind,
+  length filters and ProLong-style upsampling of long documents."""
   weights: tuple[float, ...] = ()
-  """Mixture weight per source, normalised by grain; () = equal weights. Weights
-  count documents (after windowing: each window is one draw), not tokens."""
+  """Share of TOKENS per source (normalised); () = each dict's 'weight', else
+  equal. The mixture keeps each share within one window of its weight."""
   text_glob: str = "stdlib"
   """Directory or glob of text files for 'text'; 'stdlib' = the embedded corpus."""
   data_dir: str | None = None
@@ -103,6 +106,10 @@ class DataConfig:
   window_shuffle_size: int = 256
   """Windows shuffled together after cutting documents, so that one long
   document does not fill whole batches; host memory ~ size x seq_len x 16 B."""
+  skip_bad_rows: bool = False
+  """jsonl/parquet rows that are not JSON, lack the field or sit past a
+  truncation: False = a ValueError naming the file and line; True = skipped,
+  counted into metrics.jsonl (data/skipped_rows, and the first one named)."""
   read_threads: int = 2
   """grain threads reading and tokenizing documents (the cores are few)."""
   synthetic_ramp_documents: int = 0
@@ -118,13 +125,6 @@ class DataConfig:
   def __post_init__(self):
     if not self.sources:
       raise ValueError("DataConfig.sources is empty; use e.g. ('text',) or ('copy',).")
-    for s in self.sources:
-      if s not in SOURCE_KINDS and s not in _TASK_SOURCES:
-        raise ValueError(
-          f"unknown data source {s!r}; expected one of {SOURCE_KINDS + task_source_names()}."
-        )
-    if len(set(self.sources)) != len(self.sources):
-      raise ValueError(f"DataConfig.sources has duplicates: {self.sources}.")
     if self.weights and len(self.weights) != len(self.sources):
       raise ValueError(
         f"DataConfig.weights has {len(self.weights)} entries for "
@@ -132,6 +132,28 @@ class DataConfig:
       )
     if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
       raise ValueError(f"DataConfig.weights must be >= 0 with a positive sum: {self.weights}.")
+    # Dicts become SourceSpecs (hashable, validated); names stay names.
+    object.__setattr__(
+      self,
+      "sources",
+      tuple(
+        s if isinstance(s, str) else parse_spec(s, _synthetic_kinds(), self._weight(i))
+        for i, s in enumerate(self.sources)
+      ),
+    )
+    for s in self.sources:
+      if isinstance(s, str) and s not in SOURCE_KINDS and s not in _TASK_SOURCES:
+        raise ValueError(
+          f"unknown data source {s!r}; expected one of {SOURCE_KINDS + task_source_names()} "
+          "or a dict (lctx/data/specs.py)."
+        )
+    labels = [spec.label for spec in self.source_specs()]
+    if len(set(labels)) != len(labels):
+      raise ValueError(
+        f"DataConfig.sources has duplicates: {labels}; give same-kind sources a 'name'."
+      )
+    if sum(spec.weight for spec in self.source_specs()) <= 0:
+      raise ValueError(f"DataConfig.sources weights must have a positive sum: {labels}.")
     if self.packing not in ("first_fit", "concat_split"):
       raise ValueError(f"packing must be 'first_fit' or 'concat_split', got {self.packing!r}.")
     if self.continuation_positions not in ("absolute", "restart"):
@@ -148,110 +170,44 @@ class DataConfig:
         f"{self.synthetic_ramp_start}."
       )
 
+  def _weight(self, index: int) -> float | None:
+    return float(self.weights[index]) if self.weights else None
 
-def _encode_document(raw: bytes, tokenizer, add_bos: bool, add_eos: bool) -> dict[str, np.ndarray]:
-  """Raw document bytes -> {'tokens' int32 [L], 'target_mask' float32 [L]}."""
-  if hasattr(tokenizer, "encode_bytes"):
-    body = tokenizer.encode_bytes(raw)  # exact bytes, even invalid UTF-8
-  else:
-    body = np.asarray(tokenizer.encode(raw.decode("utf-8", errors="replace")), np.int32)
-  parts = ([np.asarray([tokenizer.bos_id], np.int32)] if add_bos else []) + [body]
-  if add_eos:
-    parts.append(np.asarray([tokenizer.eos_id], np.int32))
-  tokens = np.concatenate(parts).astype(np.int32)
-  return {"tokens": tokens, "target_mask": np.ones(len(tokens), np.float32)}
-
-
-def document_source(config: DataConfig, kind: str, split: str):
-  """The random-access document source of one kind (bytes per item), or None
-  for the synthetic kinds, which are generated from indices."""
-  if kind == "text":
-    return sources_lib.open_text_corpus(
-      config.text_glob,
-      split=split,
-      data_dir=config.data_dir,
-      validation_fraction=config.validation_fraction,
-    )
-  if kind == "tfds":
-    return sources_lib.open_tfds(
-      config.tfds_name, split=split, feature=config.tfds_feature, data_dir=config.tfds_data_dir
-    )
-  return None
+  def source_specs(self) -> tuple[SourceSpec, ...]:
+    """Every source as a SourceSpec; names read the text_glob / tfds_* fields."""
+    out = []
+    for i, s in enumerate(self.sources):
+      if isinstance(s, SourceSpec):
+        out.append(s)
+        continue
+      w = self._weight(i)
+      w = 1.0 if w is None else w
+      if s == "text":
+        out.append(SourceSpec(kind="text", name="text", path=self.text_glob, weight=w))
+      elif s == "tfds":
+        out.append(
+          SourceSpec(
+            kind="tfds",
+            name=self.tfds_name,
+            field=self.tfds_feature,
+            data_dir=self.tfds_data_dir,
+            weight=w,
+          )
+        )
+      else:
+        out.append(SourceSpec(kind=s, weight=w))
+    return tuple(out)
 
 
-def _source_dataset(
-  config: DataConfig,
-  kind: str,
-  *,
-  split: str,
-  seq_len: int,
-  seed: int,
-  process_index: int,
-  process_count: int,
-  tokenizer,
-) -> grain.IterDataset:
-  """One source as a stream of windows, this process's shard only."""
+def _synthetic_kinds() -> tuple[str, ...]:
+  return ("copy",) + task_source_names()
 
-  def cap(index: int) -> int:  # the synthetic length curriculum (DataConfig)
-    n, start = config.synthetic_ramp_documents, min(config.synthetic_ramp_start, seq_len)
-    if n <= 0 or index >= n:
-      return seq_len
-    return start + (seq_len - start) * index // n
 
-  if kind == "copy":
-
-    def make_copy(index: int) -> dict[str, np.ndarray]:
-      tokens, mask = synthetic.copy_document(
-        index,
-        seed=seed,
-        split=split,
-        max_tokens=cap(index),
-        tokenizer=tokenizer,
-        min_key_len=config.copy_min_key_len,
-        max_key_len=config.copy_max_key_len,
-        loss_on=config.copy_loss_on,
-      )
-      return {"tokens": tokens, "target_mask": mask}
-
-    ds = grain.MapDataset.range(_COPY_TASK_SIZE)
-    # Shard by index first so the processes' documents are disjoint.
-    ds = ds[process_index::process_count].map(make_copy)
-  elif kind in _TASK_SOURCES:
-    make_document = _TASK_SOURCES[kind]
-
-    def make_task(index: int) -> dict[str, np.ndarray]:
-      tokens, mask = make_document(
-        index, seed=seed, split=split, max_tokens=cap(index), tokenizer=tokenizer
-      )
-      return {"tokens": np.asarray(tokens, np.int32), "target_mask": np.asarray(mask, np.float32)}
-
-    ds = grain.MapDataset.range(_COPY_TASK_SIZE)[process_index::process_count]
-    ds = ds.map(make_task)
-  else:
-    source = document_source(config, kind, split)
-    if len(source) < process_count:
-      raise ValueError(
-        f"{source!r} has {len(source)} documents, fewer than "
-        f"process_count={process_count}: some hosts would get none."
-      )
-    ds = grain.MapDataset.source(source)[process_index::process_count]
-    # shuffle before repeat: each epoch gets its own permutation (seed + epoch).
-    ds = ds.shuffle(seed=seed).repeat(config.num_epochs)
-    ds = ds.map(lambda raw: _encode_document(raw, tokenizer, config.add_bos, config.add_eos))
-  it = ds.to_iter_dataset(
-    grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=64)
-  )
-  ds = grain.experimental.FlatMapIterDataset(
-    it, packing_lib.WindowDocument(seq_len, config.continuation_positions)
-  )
-  if config.window_shuffle_size > 1:
-    # A long document yields many consecutive windows; without this they fill
-    # whole batches by themselves. Checkpoint state stays small (grain refills
-    # the window from the parent state at restore).
-    ds = grain.experimental.WindowShuffleIterDataset(
-      ds, window_size=config.window_shuffle_size, seed=seed
-    )
-  return ds
+def synthetic_generator(config: DataConfig, spec: SourceSpec) -> Callable | None:
+  """make_document of a synthetic spec; None for a corpus spec."""
+  if spec.kind == "copy":
+    return streams.copy_task(config)
+  return _TASK_SOURCES.get(spec.kind)
 
 
 def packing_bins(config: DataConfig, seq_len: int) -> int:
@@ -260,8 +216,11 @@ def packing_bins(config: DataConfig, seq_len: int) -> int:
   return min(256, max(8, 2**22 // seq_len))
 
 
-def _pack(ds: grain.IterDataset, config: DataConfig, seq_len: int, seed: int) -> grain.IterDataset:
-  lengths = {k: seq_len for k in packing_lib.PACKED_FEATURES}
+def _pack(
+  ds: grain.IterDataset, config: DataConfig, seq_len: int, seed: int, with_sources: bool
+) -> grain.IterDataset:
+  features = packing_lib.PACKED_FEATURES + (packing_lib.SOURCE_FEATURES if with_sources else ())
+  lengths = {k: seq_len for k in features}
   if config.packing == "first_fit":
     return grain.experimental.FirstFitPackIterDataset(
       ds,
@@ -270,9 +229,26 @@ def _pack(ds: grain.IterDataset, config: DataConfig, seq_len: int, seed: int) ->
       seed=seed,
       shuffle_bins=True,
       # Carried along without segment ids/positions of their own.
-      meta_features=("positions", "loss_mask"),
+      meta_features=tuple(k for k in features if k not in ("inputs", "targets")),
     )
   return grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
+
+
+def _check_copy_lengths(config: DataConfig, seq_len: int) -> None:
+  if not any(spec.kind == "copy" for spec in config.source_specs()):
+    return
+  min_copy = synthetic.min_copy_seq_len(config.copy_max_key_len)
+  if seq_len < min_copy:
+    raise ValueError(
+      f"the copy task needs seq_len >= {min_copy} for copy_max_key_len="
+      f"{config.copy_max_key_len}; got seq_len={seq_len} "
+      "(lower copy_max_key_len or raise seq_len)."
+    )
+  if config.synthetic_ramp_documents and config.synthetic_ramp_start < min_copy:
+    raise ValueError(
+      f"the copy task needs synthetic_ramp_start >= {min_copy} for copy_max_key_len="
+      f"{config.copy_max_key_len}; got {config.synthetic_ramp_start}."
+    )
 
 
 def make_dataset(
@@ -285,8 +261,15 @@ def make_dataset(
   process_index: int | None = None,
   process_count: int | None = None,
   batch_transform: Callable[[dict], dict] | None = None,
+  with_sources: bool = False,
 ) -> grain.IterDataset:
-  """The grain IterDataset behind make_iterator (same arguments)."""
+  """The grain IterDataset behind make_iterator (same arguments).
+
+  with_sources: batches also carry `source_ids` (1 + the source's index in
+  config.sources, 0 = pad), `document_lengths` (tokens of each token's whole
+  document) and `document_starts` (1 on a document's first token), int32
+  [batch, seq], for reports; not part of the batch contract.
+  """
   if process_index is None or process_count is None:
     import jax  # pylint: disable=g-import-not-at-top  (only when not given)
 
@@ -298,48 +281,34 @@ def make_dataset(
     )
   if batch_size <= 0 or seq_len <= 0:
     raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be positive.")
-  min_copy = synthetic.min_copy_seq_len(config.copy_max_key_len)
-  if "copy" in config.sources and seq_len < min_copy:
-    raise ValueError(
-      f"the copy task needs seq_len >= {min_copy} for copy_max_key_len="
-      f"{config.copy_max_key_len}; got seq_len={seq_len} "
-      "(lower copy_max_key_len or raise seq_len)."
-    )
-  if (
-    "copy" in config.sources
-    and config.synthetic_ramp_documents
-    and config.synthetic_ramp_start < min_copy
-  ):
-    raise ValueError(
-      f"the copy task needs synthetic_ramp_start >= {min_copy} for copy_max_key_len="
-      f"{config.copy_max_key_len}; got {config.synthetic_ramp_start}."
-    )
+  _check_copy_lengths(config, seq_len)
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)
-  streams = [
-    # Each source gets its own seed so adding one does not reshuffle others.
-    _source_dataset(
+  specs = config.source_specs()
+  streams_ = [
+    streams.source_windows(
       config,
-      kind,
+      spec,
+      make_document=synthetic_generator(config, spec),
       split=split,
       seq_len=seq_len,
+      # Each source gets its own seed so adding one does not reshuffle others.
       seed=(seed * 1_000_003 + i) % 2**32,
-      process_index=process_index,
-      process_count=process_count,
       tokenizer=tokenizer,
+      source_id=i + 1 if with_sources else None,
     )
-    for i, kind in enumerate(config.sources)
+    for i, spec in enumerate(specs)
   ]
-  if len(streams) == 1:
-    ds = streams[0]
+  if len(streams_) == 1:
+    ds = streams_[0]
   else:
-    weights = list(config.weights) or [1.0] * len(streams)
-    ds = grain.IterDataset.mix(
-      dict(zip(config.sources, streams)), dict(zip(config.sources, weights))
-    )
-  ds = _pack(ds, config, seq_len, seed)
+    ds = mixing.TokenMixIterDataset(streams_, [spec.weight for spec in specs])
+  ds = _pack(ds, config, seq_len, seed, with_sources)
   absolute = config.continuation_positions == "absolute"
   ds = ds.map(lambda row: packing_lib.to_batch_contract(row, absolute=absolute))
-  ds = ds.batch(batch_size, drop_remainder=True)
+  # One global order: every process reads the global batch, keeps its rows.
+  ds = ds.batch(batch_size * process_count, drop_remainder=True)
+  if process_count > 1:
+    ds = ds.map(lambda batch: mixing.rows_of_process(batch, process_index, batch_size))
   if batch_transform is not None:
     ds = ds.map(batch_transform)
   return ds
@@ -355,6 +324,7 @@ def make_iterator(
   process_index: int | None = None,
   process_count: int | None = None,
   batch_transform: Callable[[dict], dict] | None = None,
+  with_sources: bool = False,
 ) -> grain.DatasetIterator:
   """Per-host iterator of batches: dict of numpy arrays, each [batch_size, seq_len]:
   inputs, targets, segment_ids, positions int32; loss_mask float32.
@@ -362,10 +332,15 @@ def make_iterator(
   split: 'train' | 'validation' (or any split the tfds dataset has).
   seq_len: tokens per row (the run's TrainConfig.seq_len); seed: shuffling and
     mixing seed (the run's TrainConfig.seed).
-  process_index / process_count: this host's shard; default jax.process_index()
-    / jax.process_count(). Hosts read disjoint documents.
+  batch_size: this process's rows; the global batch is batch_size x
+    process_count rows, the same whatever the process count.
+  process_index / process_count: this host's block of rows of each global
+    batch; default jax.process_index() / jax.process_count(). Every host reads
+    the whole global stream (documents read per host = all of them).
   batch_transform: applied last to every batch (e.g. the context-parallel
     zigzag reorder); it must be deterministic for resumption to be exact.
+  with_sources: also `source_ids`, `document_lengths`, `document_starts` (see
+    make_dataset), for reports and tests.
   The iterator's get_state() is a JSON-serialisable dict; set_state(state)
   resumes exactly. A finite num_epochs ends with StopIteration; a last partial
   batch is dropped.
@@ -380,6 +355,7 @@ def make_iterator(
       process_index=process_index,
       process_count=process_count,
       batch_transform=batch_transform,
+      with_sources=with_sources,
     )
   )
 
@@ -389,27 +365,47 @@ def make_tokenizer_for(config: DataConfig):
   return make_tokenizer(config.tokenizer, config.tokenizer_model_path)
 
 
+def document_source(config: DataConfig, spec: SourceSpec | str, split: str):
+  """The random-access document source (raw bytes per item) of a corpus source
+  (a SourceSpec or a DataConfig.sources name), or None for a synthetic one."""
+  if isinstance(spec, str):
+    spec = next(sp for c, sp in zip(config.sources, config.source_specs()) if spec in (c, sp.label))
+  return streams.document_source(config, spec, split)
+
+
 def load_documents(
   config: DataConfig, *, split: str = "validation", limit: int = 16, seed: int = 0
 ) -> list[str] | None:
   """Up to `limit` whole held-out documents as text, for the evals' 'text'
   haystack and context-use measurements.
 
-  Drawn from the config's corpus sources ('text', 'tfds'), in a seeded order;
-  among the first 8 x limit candidates the `limit` longest are kept (in that
-  order), because long-context evals need documents longer than their window.
-  Invalid UTF-8 is decoded with U+FFFD. Returns None when the config has no
-  corpus source (e.g. copy task only), so callers fall back to synthetic text.
+  Drawn from the config's corpus sources, in a seeded order; among the first
+  8 x limit candidates of each the `limit` longest are kept (in that order),
+  because long-context evals need documents longer than their window. Invalid
+  UTF-8 is decoded with U+FFFD. Returns None when the config has no corpus
+  source (e.g. copy task only), so callers fall back to synthetic text.
   """
+  corpora = [spec for spec in config.source_specs() if spec.is_corpus]
+  if not corpora:
+    return None
   docs: list[str] = []
-  for kind in config.sources:
-    source = document_source(config, kind, split)
-    if source is None:
-      continue
+  for spec in corpora:
+    source = streams.document_source(config, spec, split)
     order = np.random.default_rng(seed).permutation(len(source))[: 8 * limit]
     raws = [source[int(i)] for i in order]
     keep = set(np.argsort([-len(r) for r in raws], kind="stable")[:limit].tolist())
     docs += [raws[i].decode("utf-8", errors="replace") for i in range(len(raws)) if i in keep]
-  if not any(kind in ("text", "tfds") for kind in config.sources):
-    return None
   return docs[:limit]
+
+
+def skipped_rows(config: DataConfig, split: str = "train") -> dict[str, object]:
+  """What DataConfig.skip_bad_rows left out of the row sources (jsonl,
+  parquet): {'data/skipped_rows': n, 'data/first_skipped_row': 'file:line: why'}
+  ({} when no source skipped a row)."""
+  total, first = 0, ""
+  for spec in config.source_specs():
+    if spec.kind in ("jsonl", "parquet"):
+      source = streams.document_source(config, spec, split)
+      total += source.skipped_rows
+      first = first or source.first_skipped_row
+  return {"data/skipped_rows": total, "data/first_skipped_row": first} if total else {}

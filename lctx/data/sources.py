@@ -14,6 +14,7 @@ they must already be prepared under their data_dir.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lctx.data import corpus
+from lctx.data import corpus, files
 
 LOCAL_BUILDER_NAME = "lctx_text_corpus"
 TEXT_FEATURE = "text"
@@ -36,12 +37,24 @@ def default_data_dir() -> str:
 
 
 class TextCorpusConfig(tfds.core.BuilderConfig):
-  """One local corpus: its glob and validation fraction (name = fingerprint)."""
+  """One local corpus: its files, their kind ('text': a document per file;
+  'jsonl' / 'parquet': a document per row, its `field`), validation fraction
+  and bad-row policy (name = fingerprint)."""
 
-  def __init__(self, *, text_glob: str, validation_fraction: float, **kwargs):
+  def __init__(
+    self,
+    *,
+    text_glob: str,
+    validation_fraction: float,
+    kind: str = "text",
+    field: str | None = None,
+    skip_bad_rows: bool = False,
+    **kwargs,
+  ):
     super().__init__(**kwargs)
     self.text_glob = text_glob
     self.validation_fraction = validation_fraction
+    self.kind, self.field, self.skip_bad_rows = kind, field, skip_bad_rows
 
 
 class LctxTextCorpus(tfds.core.GeneratorBasedBuilder):
@@ -73,38 +86,75 @@ class LctxTextCorpus(tfds.core.GeneratorBasedBuilder):
           "key": tfds.features.Text(),
         }
       ),
+      # skipped_rows / first_skipped_row: what skip_bad_rows left out.
+      metadata=tfds.core.MetadataDict(),
     )
 
   def _split_generators(self, dl_manager):
     del dl_manager  # everything is local
     cfg = self.builder_config
-    keys = corpus.list_documents(cfg.text_glob)
+    if cfg.kind == "text":
+      keys = corpus.list_documents(cfg.text_glob)
+    else:  # one pass to find the rows (and the bad ones) before writing
+      skipped = []
+      keys = [k for k, _ in self._rows(skipped.append if cfg.skip_bad_rows else None)]
+      self.info.metadata["skipped_rows"] = len(skipped)
+      self.info.metadata["first_skipped_row"] = str(skipped[0]) if skipped else ""
+      if not keys:
+        raise ValueError(f"{cfg.kind} source {cfg.text_glob!r} has no readable rows.")
     train, val = corpus.split_keys(keys, cfg.validation_fraction)
     # tfds cannot write an empty split; validation_fraction=0 means none.
     splits = {"train": train, "validation": val}
     return {name: self._generate_examples(k) for name, k in splits.items() if k}
 
+  def _rows(self, on_bad_row=None):
+    """Every good row; a bad one raises unless on_bad_row takes it (or, past the
+    first pass, which counted them, skip_bad_rows drops it)."""
+    cfg = self.builder_config
+    if on_bad_row is None and cfg.skip_bad_rows:
+      on_bad_row = lambda error: None  # noqa: E731
+    return files.iter_rows(cfg.kind, cfg.text_glob, cfg.field, on_bad_row)
+
   def _generate_examples(self, keys):
     glob = self.builder_config.text_glob
-    for key in keys:
-      yield key, {TEXT_FEATURE: corpus.read_document(key, glob), "key": key}
+    if self.builder_config.kind == "text":
+      for key in keys:
+        yield key, {TEXT_FEATURE: corpus.read_document(key, glob), "key": key}
+      return
+    wanted = set(keys)
+    for key, raw in self._rows():
+      if key in wanted:
+        yield key, {TEXT_FEATURE: raw, "key": key}
 
 
 def text_corpus_builder(
-  text_glob: str | None = None, *, data_dir: str | None = None, validation_fraction: float = 0.02
+  text_glob: str | None = None,
+  *,
+  data_dir: str | None = None,
+  validation_fraction: float = 0.02,
+  kind: str = "text",
+  field: str | None = None,
+  skip_bad_rows: bool = False,
 ) -> LctxTextCorpus:
   """The (unprepared or prepared) builder for one corpus. Raises ValueError if
   the corpus is missing or empty."""
   text_glob = text_glob or corpus.DEFAULT_CORPUS
-  corpus.list_documents(text_glob)  # fail early, with the message saying what to pass
-  label = "stdlib" if text_glob == corpus.DEFAULT_CORPUS else "files"
+  if kind == "text":
+    corpus.list_documents(text_glob)  # fail early, with the message saying what to pass
+    label = "stdlib" if text_glob == corpus.DEFAULT_CORPUS else "files"
+  else:
+    files.list_files(kind, text_glob)
+    label = f"{kind}_{hashlib.sha1(f'{field}|{skip_bad_rows}'.encode()).hexdigest()[:6]}"
   name = f"{label}_{corpus.corpus_fingerprint(text_glob)}_v{int(validation_fraction * 1e4)}"
   config = TextCorpusConfig(
     name=name,
     version=LctxTextCorpus.VERSION,
     text_glob=text_glob,
     validation_fraction=validation_fraction,
-    description=f"text files {text_glob!r}",
+    kind=kind,
+    field=field,
+    skip_bad_rows=skip_bad_rows,
+    description=f"{kind} files {text_glob!r}",
   )
   # tfds warns "Using custom data configuration" for every per-corpus config;
   # that is the design here, not a problem, so keep it out of the run logs.
@@ -120,11 +170,16 @@ def text_corpus_builder(
 
 
 def prepare_text_corpus(
-  text_glob: str | None = None, *, data_dir: str | None = None, validation_fraction: float = 0.02
+  text_glob: str | None = None,
+  *,
+  data_dir: str | None = None,
+  validation_fraction: float = 0.02,
+  **row_options,
 ) -> LctxTextCorpus:
-  """Prepares the corpus if it is not prepared yet (idempotent); returns it."""
+  """Prepares the corpus if it is not prepared yet (idempotent); returns it.
+  row_options: kind, field, skip_bad_rows of text_corpus_builder."""
   builder = text_corpus_builder(
-    text_glob, data_dir=data_dir, validation_fraction=validation_fraction
+    text_glob, data_dir=data_dir, validation_fraction=validation_fraction, **row_options
   )
   if builder.is_prepared():
     return builder
@@ -137,7 +192,7 @@ def prepare_text_corpus(
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
       builder = text_corpus_builder(
-        text_glob, data_dir=data_dir, validation_fraction=validation_fraction
+        text_glob, data_dir=data_dir, validation_fraction=validation_fraction, **row_options
       )
       if not builder.is_prepared():
         builder.download_and_prepare(
@@ -158,6 +213,8 @@ class DocumentSource(Sequence):
     self._source = data_source
     self._feature = feature
     self._description = description
+    # Rows the reader skipped as bad (DataConfig.skip_bad_rows), and the first one.
+    self.skipped_rows, self.first_skipped_row = 0, ""
     if len(data_source) == 0:
       raise ValueError(f"{description} has no records.")
 
@@ -179,10 +236,13 @@ def open_text_corpus(
   split: str,
   data_dir: str | None = None,
   validation_fraction: float = 0.02,
+  **row_options,
 ) -> DocumentSource:
-  """The local corpus `split` ('train' | 'validation'), prepared on first use."""
+  """The local corpus `split` ('train' | 'validation'), prepared on first use.
+  row_options (kind='jsonl' | 'parquet', field, skip_bad_rows) read a document
+  per row instead of per file."""
   builder = prepare_text_corpus(
-    text_glob, data_dir=data_dir, validation_fraction=validation_fraction
+    text_glob, data_dir=data_dir, validation_fraction=validation_fraction, **row_options
   )
   if split not in builder.info.splits:
     raise ValueError(
@@ -190,11 +250,16 @@ def open_text_corpus(
       f"{sorted(builder.info.splits.keys())}); 'validation' needs "
       f"validation_fraction > 0 (got {validation_fraction})."
     )
-  return DocumentSource(
+  kind = row_options.get("kind", "text")
+  source = DocumentSource(
     builder.as_data_source(split=split),
     TEXT_FEATURE,
-    f"text corpus {text_glob or corpus.DEFAULT_CORPUS!r} [{split}]",
+    f"{kind} corpus {text_glob or corpus.DEFAULT_CORPUS!r} [{split}]",
   )
+  metadata = builder.info.metadata or {}
+  source.skipped_rows = int(metadata.get("skipped_rows", 0))
+  source.first_skipped_row = str(metadata.get("first_skipped_row", ""))
+  return source
 
 
 def open_tfds(

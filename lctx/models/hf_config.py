@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from lctx.models import config as config_lib
 from lctx.models import rope
 from lctx.models.config import ModelConfig
 
@@ -49,19 +50,7 @@ _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_interm
 # rope dict keys that are not scaling parameters (they live elsewhere in ModelConfig).
 _ROPE_NON_SCALING = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
 # The ModelConfig fields that decide parameter shapes (and so must match a checkpoint).
-SHAPE_FIELDS = (
-  "vocab_size",
-  "d_model",
-  "num_layers",
-  "num_heads",
-  "num_kv_heads",
-  "head_dim",
-  "mlp_dim",
-  "attention",
-  "tie_embeddings",
-  "qkv_bias",
-  "qk_norm",
-)
+SHAPE_FIELDS = config_lib.SHAPE_FIELDS
 
 
 def read_config_json(path: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from etils import epath
 
 from lctx import checkpoint as ckpt_lib
 from lctx import models
+from lctx.errors import ConfigError
 from lctx.models import config as config_lib
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -56,8 +57,11 @@ class Source:
 
 def is_hf_dir(path: str) -> bool:
   """A directory as transformers writes it: config.json plus safetensors weights."""
-  path = epath.Path(os.path.expanduser(path))
-  return (path / "config.json").is_file() and any((path / f).is_file() for f in HF_WEIGHT_FILES)
+  where = epath.Path(os.path.expanduser(path))
+  try:
+    return (where / "config.json").is_file() and any((where / f).is_file() for f in HF_WEIGHT_FILES)
+  except ImportError as e:  # fsspec has no backend for the scheme (gs:// without gcsfs)
+    raise ConfigError(f"TrainConfig.init_params_from={path!r} cannot be read here: {e}") from None
 
 
 def _steps_in(directory: epath.Path) -> list[int]:

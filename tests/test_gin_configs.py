@@ -50,6 +50,8 @@ SHRUNK_MESH = {
   "gin/ring_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/allgather_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/ulysses_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
+  "gin/extend_llama31_8b_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
+  "gin/extend_llama31_8b_v5p_1m.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
 }
 
 

@@ -57,6 +57,9 @@ COMPILED_CODE = (
   "lctx/parallel",
   "lctx/models",
   "lctx/trainer.py",
+  "lctx/train_config.py",
+  "lctx/optimizer.py",
+  "lctx/loss.py",
   "lctx/compile.py",
 )
 

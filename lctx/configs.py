@@ -21,7 +21,7 @@ from lctx import init_from, models
 from lctx import train as train_lib
 from lctx.evals import mixture
 from lctx.parallel import mesh as mesh_lib
-from lctx.trainer import TrainConfig
+from lctx.train_config import TrainConfig
 
 ModelConfig = gin.external_configurable(models.ModelConfig, "ModelConfig")
 MeshConfig = gin.external_configurable(mesh_lib.MeshConfig, "MeshConfig")

@@ -12,6 +12,9 @@ any backend starts:
   - a machine where jax's own probe (PCI vendor ids, /dev/nvidia*) finds no TPU
     or GPU.
 TPU and GPU hosts keep jax's own choice, and a JAX_PLATFORMS the user set wins.
+
+It also holds the checks for a platform's own limits that the trainer runs
+before compiling (a setup libtpu aborts on instead of raising).
 """
 
 from __future__ import annotations
@@ -91,3 +94,33 @@ def check_target(
     f"this machine has {count} {jax.devices()[0].device_kind} devices.",
     fix=f"Check it from here with: {command} (or fit MeshConfig to these devices).",
   )
+
+
+# libtpu 0.0.42.1 aborts the whole process (llo_loop.cc:165, no Python error)
+# compiling a layer scan that offloads one value of this many elements or more
+# per device (measured: Llama-8B at 524,288 tokens per device on v5p:4x4x4).
+OFFLOAD_ELEMENT_LIMIT = 2**31
+
+
+def check_offloaded_input_size(model_cfg, train_cfg, mesh, batch_ways, seq_ways) -> None:
+  """Refuses, before the compiler can abort, a TPU setup whose offloaded layer
+  input (per piece) reaches OFFLOAD_ELEMENT_LIMIT elements per device."""
+  choices = model_cfg.remat_choices or {}
+  if mesh.devices.flat[0].platform != "tpu" or choices.get("layer_input") != "offload":
+    return
+  rows = max(1, train_cfg.batch_size // batch_ways)
+  tokens = train_cfg.seq_len // seq_ways
+  per_piece = rows * tokens * model_cfg.d_model // model_cfg.layer_input_pieces
+  if per_piece >= OFFLOAD_ELEMENT_LIMIT:
+    need = next(
+      k
+      for k in range(model_cfg.layer_input_pieces + 1, model_cfg.d_model + 1)
+      if model_cfg.d_model % k == 0
+      and rows * tokens * model_cfg.d_model // k < OFFLOAD_ELEMENT_LIMIT
+    )
+    raise ValueError(
+      f"the offloaded layer input is {rows} x {tokens:,} x {model_cfg.d_model} = "
+      f"{rows * tokens * model_cfg.d_model:,} elements per device in "
+      f"{model_cfg.layer_input_pieces} piece(s); libtpu aborts the compile at 2**31 "
+      f"elements per offloaded value. Set ModelConfig.layer_input_pieces = {need}."
+    )

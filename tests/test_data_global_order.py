@@ -6,8 +6,8 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
+import helpers
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,11 +34,9 @@ PARAMS = [  # a tiny model and a few steps; the data settings stay local_cpu.gin
 
 
 def _launch(n, workdir, cache_dir):
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, PYTHON=sys.executable)
-  env.pop("XLA_FLAGS", None)  # each process sets its own device count
-  flags = [f"--gin_param={p}" for p in PARAMS]
+  argv, env = helpers.launch_local_args(n, GIN_FILE, workdir, cache_dir, PARAMS)
   proc = subprocess.run(
-    ["bash", os.path.join(ROOT, "scripts/launch_local.sh"), str(n), GIN_FILE, workdir, *flags],
+    argv,
     cwd=ROOT,
     env=env,
     capture_output=True,

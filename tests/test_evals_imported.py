@@ -5,6 +5,7 @@ of the same checkpoint, scored on the host."""
 import json
 import os
 
+import helpers
 import numpy as np
 import pytest
 
@@ -19,26 +20,10 @@ from lctx.trainer import TrainConfig
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# A tiny Llama whose vocabulary holds the byte tokenizer's 259 ids.
-LLAMA = dict(
-  vocab_size=288,
-  hidden_size=32,
-  intermediate_size=64,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  max_position_embeddings=256,
-  rms_norm_eps=1e-5,
-)
-
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-  torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA))
-  path = str(tmp_path_factory.mktemp("llama"))
-  model.save_pretrained(path)
-  return path
+  return helpers.save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
 
 
 def _transformers_logits_fn(path):

@@ -9,8 +9,8 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
+import helpers
 import numpy as np
 import pytest
 
@@ -45,12 +45,9 @@ PARAMS = [
 
 
 def _launch(n, workdir, cache_dir, *more):
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, PYTHON=sys.executable)
-  env.pop("XLA_FLAGS", None)  # each process sets its own device count
-  flags = [f"--gin_param={p}" for p in PARAMS] + list(more)
+  argv, env = helpers.launch_local_args(n, "gin/local_cpu.gin", workdir, cache_dir, PARAMS, *more)
   proc = subprocess.run(
-    ["bash", os.path.join(ROOT, "scripts/launch_local.sh"), str(n), "gin/local_cpu.gin", workdir]
-    + flags,
+    argv,
     cwd=ROOT,
     env=env,
     capture_output=True,

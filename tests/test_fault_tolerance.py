@@ -14,11 +14,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from unittest import mock
 
 import gin
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -184,11 +184,9 @@ def reference(cache_dir, tmp_path_factory):
 # Multi-process (scripts/launch_local.sh) and preemption
 # ----------------------------------------------------------------------------
 def _launch(n, workdir, cache_dir):
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, PYTHON=sys.executable)
-  env.pop("XLA_FLAGS", None)  # each process sets its own device count
-  flags = [f"--gin_param={p}" for p in PARAMS]
+  argv, env = helpers.launch_local_args(n, GIN_FILE, workdir, cache_dir, PARAMS)
   return subprocess.Popen(
-    ["bash", os.path.join(ROOT, "scripts/launch_local.sh"), str(n), GIN_FILE, workdir, *flags],
+    argv,
     cwd=ROOT,
     env=env,
     stdout=subprocess.PIPE,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import gin
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -24,31 +25,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A tiny Llama whose vocabulary holds the byte tokenizer's 259 ids (the copy task).
-LLAMA = dict(
-  vocab_size=288,
-  hidden_size=32,
-  intermediate_size=64,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  max_position_embeddings=256,
-  rms_norm_eps=1e-5,
-)
 FSDP_TENSOR = mesh_lib.MeshConfig(fsdp=4, tensor=2, context=1)
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   """A random Llama saved by transformers in two safetensors shards (with an index)."""
-  torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA))
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:  # norms initialise to 1: randomise so a mixed-up one shows
-        p.copy_(1.0 + 0.3 * torch.randn_like(p))
   path = str(tmp_path_factory.mktemp("llama"))
-  model.save_pretrained(path, max_shard_size="60KB")
+  helpers.save_tiny_llama(path, random_norms=True, max_shard_size="60KB")
   assert os.path.exists(os.path.join(path, hf.INDEX_FILE))
   return path
 

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lctx import host, metrics, models, parallel
-from lctx.kernels import chunked_cross_entropy, chunked_token_scores
+from lctx.kernels import AttentionOptions, chunked_cross_entropy, chunked_token_scores
 from lctx.parallel import mesh as mesh_lib
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -196,17 +196,23 @@ def validate_train_config(c: TrainConfig) -> None:
       f"TrainConfig.init_params_from must be None or a path; got {c.init_params_from!r}."
     )
   metrics.check_profile_steps(c.profile_steps)
-  # Kernel backend and block sizes: one rule, in KernelOptions.
+  # Kernel backend and block sizes: one rule, in AttentionOptions, whose field
+  # <name> is TrainConfig's attention_<name>.
   try:
-    parallel.KernelOptions(
-      backend=c.attention_backend,
-      block_q=c.attention_block_q,
-      block_kv=c.attention_block_kv,
-      block_q_bwd=c.attention_block_q_bwd,
-      block_kv_bwd=c.attention_block_kv_bwd,
-    )
+    attention_options(c)
   except ValueError as err:
-    raise ValueError(f"TrainConfig.{err}.") from None
+    raise ValueError(f"TrainConfig.attention_{err}.") from None
+
+
+def attention_options(c: TrainConfig) -> AttentionOptions:
+  """TrainConfig's attention_* settings as the one attention-options object."""
+  return AttentionOptions(
+    backend=c.attention_backend,
+    block_q=c.attention_block_q,
+    block_kv=c.attention_block_kv,
+    block_q_bwd=c.attention_block_q_bwd,
+    block_kv_bwd=c.attention_block_kv_bwd,
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -255,13 +261,6 @@ def context_plan(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig) -> paral
     # Residual stream + MLP hidden per token, saved across one layer.
     activation_bytes_per_token=act_bytes * (2 * model_cfg.d_model + model_cfg.mlp_dim),
   )
-  kernel = parallel.KernelOptions(
-    backend=cfg.attention_backend,
-    block_q=cfg.attention_block_q,
-    block_kv=cfg.attention_block_kv,
-    block_q_bwd=cfg.attention_block_q_bwd,
-    block_kv_bwd=cfg.attention_block_kv_bwd,
-  )
   return parallel.make_context_plan(
     mesh,
     dims,
@@ -269,7 +268,7 @@ def context_plan(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig) -> paral
     batch_size=cfg.batch_size,
     strategy=cfg.context_parallel_strategy,
     load_balance=cfg.load_balance,
-    kernel=kernel,
+    kernel=attention_options(cfg),
     memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
     head_chunks=cfg.ulysses_head_chunks,
     stage_projections=cfg.ulysses_stage_projections,

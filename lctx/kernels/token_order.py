@@ -65,7 +65,11 @@ class TokenOrder:
     for host arrays)."""
     if not self.zigzag:
       return p
-    return xp.asarray(self.slots())[p // self.chunk] * self.chunk + p % self.chunk
+    # `zigzag_order` in closed form (slot 2r holds chunk r, slot 2r+1 chunk
+    # 2Z-1-r): elementwise, where a lookup in its table would be a gather.
+    slot, off = p // self.chunk, p % self.chunk
+    r = slot // 2
+    return xp.where(slot % 2 == 0, r, 2 * self.zigzag - 1 - r) * self.chunk + off
 
 
 @functools.partial(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from lctx import metrics, parallel
+from lctx.kernels.options import AttentionOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +128,9 @@ class TrainConfig:
   def __post_init__(self):
     validate_train_config(self)
 
-  def kernel_options(self) -> parallel.KernelOptions:
-    """The attention kernel's backend and block sizes (checked by KernelOptions)."""
-    return parallel.KernelOptions(
+  def kernel_options(self) -> AttentionOptions:
+    """The attention_* settings as the one attention-options object (it checks them)."""
+    return AttentionOptions(
       backend=self.attention_backend,
       block_q=self.attention_block_q,
       block_kv=self.attention_block_kv,
@@ -181,8 +182,9 @@ def validate_train_config(c: TrainConfig) -> None:
       f"TrainConfig.init_params_from must be None or a path; got {c.init_params_from!r}."
     )
   metrics.check_profile_steps(c.profile_steps)
-  # Kernel backend and block sizes: one rule, in KernelOptions.
+  # Kernel backend and block sizes: one rule, in AttentionOptions, whose field
+  # <name> is TrainConfig's attention_<name>.
   try:
     c.kernel_options()
   except ValueError as err:
-    raise ValueError(f"TrainConfig.{err}.") from None
+    raise ValueError(f"TrainConfig.attention_{err}.") from None

@@ -1,13 +1,20 @@
 """Attention and loss kernels: flash attention (+ reference), chunked loss and MLP.
 
 Where things are:
+- options.py: `AttentionOptions`, the one object that carries the attention
+  settings (mask, blocks, backend, platform, strategy knobs) to every kernel,
+  and their validation;
 - flash.py: `flash_attention` and the ring block API, and the one place a
   backend is chosen (`choose_backend`, by platform and mask);
 - blockwise.py / blockwise_core.py: the pure-JAX block-sparse kernel (wrappers,
   custom_vjp, block API / the per-example loop bodies), block_map.py its skip map;
 - cpu_fused.py / cpu_build.py: the fused C++ CPU kernel's JAX binding / its
   build, cache and XLA FFI registration (source: cpu_attention.cc);
-- splash.py: TPU Pallas splash attention; jax_nn.py: jax.nn's xla and cudnn;
+- splash.py: TPU Pallas splash attention (its entry points; splash_tiling.py the
+  block maps and SMEM tiling, splash_calls.py the library's kernel calls,
+  splash_vjp.py the custom_vjp); token_order.py: natural / zigzag token orders
+  (the one zigzag rule) and the `Layout` of a call's rows;
+- jax_nn.py: jax.nn's xla and cudnn;
 - reference.py: the dense plain-jnp reference; masking.py: the one mask rule;
 - shard_typing.py: typing helpers for loop carries and cotangents in shard_map;
 - chunked.py: sequence-chunked cross-entropy and MLP.
@@ -24,8 +31,6 @@ from lctx.kernels.chunked import (
 )
 from lctx.kernels.cpu_fused import cpu_fused_attention
 from lctx.kernels.flash import (
-  BACKENDS,
-  PLATFORMS,
   attention_block_backward,
   attention_block_forward,
   choose_backend,
@@ -33,6 +38,7 @@ from lctx.kernels.flash import (
 )
 from lctx.kernels.jax_nn import xla_attention
 from lctx.kernels.masking import MASKED_LSE
+from lctx.kernels.options import BACKENDS, PLATFORMS, AttentionOptions
 from lctx.kernels.reference import reference_attention
 from lctx.kernels.splash import splash_attention
 
@@ -40,6 +46,7 @@ __all__ = [
   "BACKENDS",
   "MASKED_LSE",
   "PLATFORMS",
+  "AttentionOptions",
   "attention_block_backward",
   "attention_block_forward",
   "blockwise_attention",

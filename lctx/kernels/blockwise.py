@@ -23,6 +23,7 @@ from lctx.kernels.masking import (
   normalize_mask_args,
   pad_axis,
 )
+from lctx.kernels.options import AttentionOptions, options_from
 from lctx.kernels.shard_typing import cotangent_like
 
 _F32 = jnp.float32
@@ -152,32 +153,22 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _setup(
-  q,
-  k,
-  v,
-  segment_ids,
-  q_positions,
-  kv_positions,
-  causal,
-  window_size,
-  softmax_scale,
-  block_q,
-  block_kv,
-  count_blocks=False,
-  block_q_bwd=None,
-  block_kv_bwd=None,
+  q, k, v, segment_ids, q_positions, kv_positions, options: AttentionOptions, count_blocks=False
 ):
+  """The mask inputs and the kernel's settings (blocks clipped to the lengths, the
+  scale, the live-block trip counts for FLOP counts) of one call."""
   b, t, s, _, _, h, _ = check_shapes(q, k, v)
-  mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)
-  bq, bk, _, _ = _block_sizes(t, s, block_q, block_kv)
-  bwd_q, bwd_kv, _, _ = _block_sizes(t, s, block_q_bwd or block_q, block_kv_bwd or block_kv)
-  masks = (segment_ids, q_positions, kv_positions, bool(causal), window_size)
+  o = options
+  mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, o.window_size)
+  bq, bk, _, _ = _block_sizes(t, s, o.block_q, o.block_kv)
+  bwd_q, bwd_kv, _, _ = _block_sizes(t, s, o.block_q_bwd or o.block_q, o.block_kv_bwd or o.block_kv)
+  masks = (segment_ids, q_positions, kv_positions, o.causal, o.window_size)
   fwd_live = flop_tags.live_map(b, t, s, *masks, bq, bk).sum()
   bwd_live = flop_tags.live_map(b, t, s, *masks, bwd_q, bwd_kv).sum()
   cfg = Cfg(
-    bool(causal),
-    None if window_size is None else int(window_size),
-    default_scale(h, softmax_scale),
+    o.causal,
+    o.window_size,
+    default_scale(h, o.softmax_scale),
     bq,
     bk,
     count_blocks,
@@ -205,26 +196,24 @@ def blockwise_attention(
   block_kv=512,
   block_q_bwd=None,
   block_kv_bwd=None,
+  options: AttentionOptions | None = None,
 ):
   """Block-sparse flash attention (pure JAX). Same contract as
   `lctx.kernels.reference_attention`: out `[B, T, N, V]` in q.dtype, and lse
   `[B, N, T]` f32 when return_lse. Gradients flow through out and lse.
+  The mask and blocks come from `options` or the keywords (not both);
   block_q_bwd, block_kv_bwd: blocks of the backward pass (None: the forward's)."""
-  mask, cfg = _setup(
-    q,
-    k,
-    v,
-    segment_ids,
-    q_positions,
-    kv_positions,
-    causal,
-    window_size,
-    softmax_scale,
-    block_q,
-    block_kv,
+  options = options_from(
+    options,
+    causal=causal,
+    window_size=window_size,
+    softmax_scale=softmax_scale,
+    block_q=block_q,
+    block_kv=block_kv,
     block_q_bwd=block_q_bwd,
     block_kv_bwd=block_kv_bwd,
   )
+  mask, cfg = _setup(q, k, v, segment_ids, q_positions, kv_positions, options)
   out, lse = _flash(q, k, v, mask, cfg)
   return (out, lse) if return_lse else out
 
@@ -244,20 +233,10 @@ def blockwise_block_counts(
 ):
   """Debug: int32 `[B, 2]` = (blocks computed, of which masked) per example, counted
   inside the forward kernel's loop, plus the forward out. For tests of skipping."""
-  mask, cfg = _setup(
-    q,
-    k,
-    v,
-    segment_ids,
-    q_positions,
-    kv_positions,
-    causal,
-    window_size,
-    None,
-    block_q,
-    block_kv,
-    count_blocks=True,
+  options = AttentionOptions(
+    causal=causal, window_size=window_size, block_q=block_q, block_kv=block_kv
   )
+  mask, cfg = _setup(q, k, v, segment_ids, q_positions, kv_positions, options, count_blocks=True)
   out, _, counts = _forward(q, k, v, mask, cfg)
   return counts, out.astype(q.dtype)
 
@@ -271,11 +250,7 @@ def blockwise_block_forward(
   kv_segment_ids,
   q_positions,
   kv_positions,
-  causal,
-  window_size,
-  softmax_scale,
-  block_q,
-  block_kv,
+  options: AttentionOptions,
 ):
   """Attention of q against one (e.g. visiting ring) K/V block, for merging.
 
@@ -287,9 +262,7 @@ def blockwise_block_forward(
   by itself: use blockwise_block_backward in the caller's custom_vjp.
   """
   seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-  mask, cfg = _setup(
-    q, k, v, seg, q_positions, kv_positions, causal, window_size, softmax_scale, block_q, block_kv
-  )
+  mask, cfg = _setup(q, k, v, seg, q_positions, kv_positions, options)
   out, lse, _ = _forward(q, k, v, mask, cfg)
   return out, lse
 
@@ -306,23 +279,17 @@ def blockwise_block_backward(
   kv_segment_ids,
   q_positions,
   kv_positions,
-  causal,
-  window_size,
-  softmax_scale,
-  block_q,
-  block_kv,
+  options: AttentionOptions,
 ):
   """FA2 backward of one K/V block against the GLOBAL (merged) out and lse.
 
   out `[B, T, N, V]` and lse `[B, N, T]` are the final merged results over all
   K/V blocks, dout `[B, T, N, V]` its cotangent. Returns (dq `[B, T, N, H]`,
   dk `[B, S, K, H]`, dv `[B, S, K, V]`), float32, this block's contributions
-  (sum dq over blocks; dk/dv belong to this block).
+  (sum dq over blocks; dk/dv belong to this block). Uses options' forward blocks.
   """
   seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-  mask, cfg = _setup(
-    q, k, v, seg, q_positions, kv_positions, causal, window_size, softmax_scale, block_q, block_kv
-  )
+  mask, cfg = _setup(q, k, v, seg, q_positions, kv_positions, options)
   return _backward(q, k, v, out, lse, dout, None, mask, cfg)
 
 

@@ -33,7 +33,9 @@ _F32 = jnp.float32
 
 
 class Cfg(NamedTuple):
-  """Static kernel settings (hashable; custom_vjp nondiff argument)."""
+  """The kernel's settings for one call, resolved from its AttentionOptions
+  (blockwise._setup): blocks clipped to the lengths, the scale, trip counts
+  (hashable; custom_vjp nondiff argument)."""
 
   causal: bool
   window_size: int | None
@@ -184,9 +186,8 @@ def backward_example(cfg: Cfg, qb, kb, vb, dob, lse, delta, bl: Blocked):
           vis = _elem_mask(cfg, bl.q_pos[i], None if bl.q_seg is None else bl.q_seg[i], kp, ks)
           s = _apply_mask(s, vis, -jnp.inf)
         p = jnp.exp(s - lse_i[..., None])  # [K, R, bk]
-        # dK and dV are accumulated transposed ([K, H, bk]): XLA CPU ran
-        # "kqh,kqc->khc" 1.5-4x faster than "kqc,kqh->kch" here. (Forming
-        # the scores transposed instead measured no faster overall.)
+        # dK and dV are accumulated transposed ([K, H, bk]): the contraction
+        # order XLA CPU runs fastest here (docs/benchmarks.md).
         dv_ij = jnp.einsum("KXV,KXY->KVY", do_i, p.astype(do_i.dtype), preferred_element_type=_F32)
         dp = jnp.einsum("KXV,KYV->KXY", do_i, v_j, preferred_element_type=_F32)
         ds = (p * (dp - delta_i[..., None])).astype(q_i.dtype)

@@ -22,6 +22,7 @@ import numpy as np
 from lctx.kernels import cpu_build, flop_tags
 from lctx.kernels.cpu_build import BWD_TARGET, FWD_TARGET, available, unavailable_reason
 from lctx.kernels.masking import check_shapes, default_scale, normalize_mask_args, pad_axis
+from lctx.kernels.options import AttentionOptions
 from lctx.kernels.shard_typing import cotangent_like, varying_like
 
 _Q_MULT, _KV_MULT = 8, 64  # the kernel's length granules (cpu_attention.cc)
@@ -45,6 +46,9 @@ def unsupported(q, k, v) -> str:
 
 
 class _Cfg(NamedTuple):
+  """The kernel's settings for one call, resolved from its AttentionOptions
+  (_setup): blocks rounded to the granules, the scale, FLOP counts."""
+
   causal: bool
   window: int  # 0: none
   scale: float
@@ -129,21 +133,7 @@ def _fused_bwd(cfg, res, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _setup(
-  q,
-  k,
-  v,
-  segment_ids,
-  q_positions,
-  kv_positions,
-  causal,
-  window_size,
-  softmax_scale,
-  block_q,
-  block_kv,
-  block_q_bwd=None,
-  block_kv_bwd=None,
-):
+def _setup(q, k, v, segment_ids, q_positions, kv_positions, options: AttentionOptions):
   """Validates and pads to the kernel's granules (q: 8 rows, kv: 64 keys; padding
   gets segment 0, so it is invisible). Returns (q, k, v, mask_arrays, cfg) padded."""
   b, t, s, _, _, h, _ = check_shapes(q, k, v)
@@ -158,13 +148,8 @@ def _setup(
   ok, reason = cpu_build.load()
   if not ok:
     raise RuntimeError(f"backend='cpu': the fused CPU kernel is unavailable: {reason}")
-  blocks = dict(
-    block_q=block_q, block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd
-  )
-  bad = {k_: b_ for k_, b_ in blocks.items() if b_ is not None and int(b_) < 1}
-  if bad:
-    raise ValueError(f"backend='cpu': block sizes must be >= 1; got {bad}")
-  mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, window_size)
+  o = options
+  mask = normalize_mask_args(b, t, s, segment_ids, q_positions, kv_positions, o.window_size)
   tp, sp = -(-t // _Q_MULT) * _Q_MULT, -(-s // _KV_MULT) * _KV_MULT
   q_seg = mask.q_segment_ids if mask.q_segment_ids is not None else jnp.ones((b, t), jnp.int32)
   kv_seg = mask.kv_segment_ids if mask.kv_segment_ids is not None else jnp.ones((b, s), jnp.int32)
@@ -175,13 +160,13 @@ def _setup(
     pad_axis(kv_seg, sp, 1),
   )
   cfg = _Cfg(
-    bool(causal),
-    0 if window_size is None else int(window_size),
-    default_scale(h, softmax_scale),
-    _round_block(block_q, _Q_MULT, tp),
-    _round_block(block_kv, _KV_MULT, sp),
-    _round_block(block_q_bwd or block_q, _Q_MULT, tp),
-    _round_block(block_kv_bwd or block_kv, _KV_MULT, sp),
+    o.causal,
+    0 if o.window_size is None else o.window_size,
+    default_scale(h, o.softmax_scale),
+    _round_block(o.block_q, _Q_MULT, tp),
+    _round_block(o.block_kv, _KV_MULT, sp),
+    _round_block(o.block_q_bwd or o.block_q, _Q_MULT, tp),
+    _round_block(o.block_kv_bwd or o.block_kv, _KV_MULT, sp),
   )
   cfg = cfg._replace(**_flops(cfg, q, v, t, s, segment_ids, q_positions, kv_positions))
   return pad_axis(q, tp, 1), pad_axis(k, sp, 1), pad_axis(v, sp, 1), mask_arrays, cfg
@@ -201,6 +186,17 @@ def _flops(cfg: _Cfg, q, v, t, s, segment_ids, q_positions, kv_positions):
     live = flop_tags.live_map(b, t, s, *masks, bq, bk)
     out[name] = n * flop_tags.block_pairs(live, t, s, bq, bk) * per_pair
   return out
+
+
+def attend(
+  q, k, v, *, segment_ids, q_positions, kv_positions, return_lse, options: AttentionOptions
+):
+  """The fused kernel with these options (see cpu_fused_attention)."""
+  t = q.shape[1]
+  qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, segment_ids, q_positions, kv_positions, options)
+  out, lse = _fused(qp, kp, vp, mask_arrays, cfg)
+  out, lse = out[:, :t], lse[:, :, :t]
+  return (out, lse) if return_lse else out
 
 
 def cpu_fused_attention(
@@ -223,49 +219,35 @@ def cpu_fused_attention(
   """Same contract as `lctx.kernels.reference_attention` (out `[B, T, N, V]`, and
   lse `[B, N, T]` f32 when return_lse; differentiable through both). Blocks are
   rounded down to the kernel's granules (q: 8 rows, kv: 64 keys)."""
-  t = q.shape[1]
-  qp, kp, vp, mask_arrays, cfg = _setup(
+  options = AttentionOptions(
+    causal=causal,
+    window_size=window_size,
+    softmax_scale=softmax_scale,
+    block_q=block_q,
+    block_kv=block_kv,
+    block_q_bwd=block_q_bwd,
+    block_kv_bwd=block_kv_bwd,
+  )
+  return attend(
     q,
     k,
     v,
-    segment_ids,
-    q_positions,
-    kv_positions,
-    causal,
-    window_size,
-    softmax_scale,
-    block_q,
-    block_kv,
-    block_q_bwd,
-    block_kv_bwd,
+    segment_ids=segment_ids,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
+    return_lse=return_lse,
+    options=options,
   )
-  out, lse = _fused(qp, kp, vp, mask_arrays, cfg)
-  out, lse = out[:, :t], lse[:, :, :t]
-  return (out, lse) if return_lse else out
 
 
 def cpu_block_forward(
-  q,
-  k,
-  v,
-  *,
-  q_segment_ids,
-  kv_segment_ids,
-  q_positions,
-  kv_positions,
-  causal,
-  window_size,
-  softmax_scale,
-  block_q,
-  block_kv,
+  q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions, options: AttentionOptions
 ):
   """`lctx.kernels.attention_block_forward` on the fused kernel (same contract: out
   f32 normalised within this K/V block, lse f32; not differentiable by itself)."""
   t = q.shape[1]
   seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-  qp, kp, vp, mask_arrays, cfg = _setup(
-    q, k, v, seg, q_positions, kv_positions, causal, window_size, softmax_scale, block_q, block_kv
-  )
+  qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, seg, q_positions, kv_positions, options)
   out, lse = _fwd_call(qp, kp, vp, mask_arrays, cfg)
   return out[:, :t], lse[:, :, :t]
 
@@ -282,19 +264,13 @@ def cpu_block_backward(
   kv_segment_ids,
   q_positions,
   kv_positions,
-  causal,
-  window_size,
-  softmax_scale,
-  block_q,
-  block_kv,
+  options: AttentionOptions,
 ):
   """`lctx.kernels.attention_block_backward` on the fused kernel: FA2 gradients of
   one K/V block against the GLOBAL out/lse; (dq, dk, dv) f32."""
   t, s = q.shape[1], k.shape[1]
   seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-  qp, kp, vp, mask_arrays, cfg = _setup(
-    q, k, v, seg, q_positions, kv_positions, causal, window_size, softmax_scale, block_q, block_kv
-  )
+  qp, kp, vp, mask_arrays, cfg = _setup(q, k, v, seg, q_positions, kv_positions, options)
   tp = qp.shape[1]
   dout = dout.astype(jnp.float32)
   delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # [B, N, T]
@@ -306,6 +282,7 @@ def cpu_block_backward(
 
 
 __all__ = [
+  "attend",
   "auto_applies",
   "available",
   "cpu_block_backward",

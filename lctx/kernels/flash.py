@@ -5,7 +5,7 @@ Backends (`BACKENDS`):
 - "cpu": the fused C++ kernel on the XLA CPU backend (cpu_fused.py, built by
   cpu_build.py): the same masks and lse as blockwise, float32, head dims that are
   multiples of 16.
-- "splash": TPU Pallas splash attention (splash.py): lse, segment ids, windows,
+- "splash": TPU Pallas splash attention (splash.py and its splash_*.py): lse, segment ids, windows,
   GQA/MQA; explicit positions through a token `layout` (the strategies pass
   one); through the Pallas interpreter on CPU.
 - "cudnn", "xla": `jax.nn.dot_product_attention` (jax_nn.py).
@@ -13,6 +13,9 @@ Backends (`BACKENDS`):
 - "auto": by the platform the call compiles for, where the call qualifies:
   splash on 'tpu', cudnn on 'gpu', cpu on 'cpu' (the kernel also built here),
   else blockwise; passing over splash on 'tpu' logs its reason once.
+
+The settings travel as one `AttentionOptions` (options.py), which validates
+them; the keyword arguments of these entry points are its fields.
 
 `platform` is the platform of the devices the computation runs on ('tpu',
 'gpu', 'cpu'). Callers that know their mesh pass it (a TPU compile started from
@@ -30,6 +33,7 @@ backends without one ("reference", "xla", "cudnn") run their blocks on blockwise
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -41,10 +45,9 @@ from lctx.kernels.blockwise import (
   blockwise_block_forward,
 )
 from lctx.kernels.masking import check_shapes
+from lctx.kernels.options import BACKENDS, PLATFORMS, AttentionOptions, options_from  # noqa: F401
 from lctx.kernels.reference import reference_attention
 
-BACKENDS = ("auto", "blockwise", "cpu", "reference", "splash", "cudnn", "xla")
-PLATFORMS = ("cpu", "gpu", "tpu")
 _FALLBACKS_LOGGED: set[tuple[str, str]] = set()
 
 
@@ -56,10 +59,8 @@ def _log_fallback(kernel: str, why: str) -> None:
 
 
 def _platform(platform: str | None) -> str:
-  p = jax.default_backend() if platform is None else platform
-  if p not in PLATFORMS:
-    raise ValueError(f"platform must be one of {PLATFORMS} or None; got {platform!r}")
-  return p
+  """The platform a call compiles for (None: the default backend)."""
+  return jax.default_backend() if platform is None else platform
 
 
 def choose_backend(
@@ -76,8 +77,7 @@ def choose_backend(
   layout=None,
 ) -> str:
   """The backend a call runs on: `backend` itself unless it is "auto"."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+  AttentionOptions(backend=backend, platform=platform)  # validates both
   if backend != "auto":
     return backend
   p = _platform(platform)
@@ -116,6 +116,7 @@ def flash_attention(
   block_kv_bwd=None,
   platform=None,
   layout=None,
+  options: AttentionOptions | None = None,
 ):
   """Attention without the score matrix, skipping fully masked blocks.
 
@@ -124,81 +125,80 @@ def flash_attention(
   0 = padding; causality and window on positions (default arange). Returns out
   `[B, T, N, V]` (and lse `[B, N, T]` f32 if return_lse). Differentiable in
   q, k, v (and through lse on the blockwise, cpu and splash backends).
-  backend: one of BACKENDS (see module docstring).
-  block_q, block_kv: kernel blocks (blockwise, cpu, splash); block_q_bwd,
-    block_kv_bwd: the backward pass's (None: the same).
+  options: the settings as one `AttentionOptions` (options.py); or the keywords
+    causal, window_size, softmax_scale, block_q, block_kv, block_q_bwd,
+    block_kv_bwd, backend and platform, which mean the same fields (not both).
   positions_in_order: the caller promises that positions count up by one along
     the array inside every segment, starting equal for q and kv (plain or packed
     rows, not zigzag-reordered, not a visiting ring block). Then the array-order
     masks of splash/cudnn are exact and those backends may be used although
     positions were passed. Ignored by blockwise/reference/xla.
-  platform: 'tpu' | 'gpu' | 'cpu' the call compiles for (None: the default
-    backend); decides what "auto" picks.
-  layout: `lctx.kernels.splash.Layout` (splash only): which natural token indices
-    the q and kv rows hold, so splash can take explicit positions (see splash.py
-    for what it promises about them). The strategies pass it.
+  layout: `lctx.kernels.token_order.Layout` (splash only): which natural token
+    indices the q and kv rows hold, so splash can take explicit positions (see
+    token_order.py for what it promises about them). The strategies pass it.
   """
-  check_shapes(q, k, v)
-  common = dict(
-    segment_ids=segment_ids,
-    q_positions=q_positions,
-    kv_positions=kv_positions,
+  opts = options_from(
+    options,
     causal=causal,
     window_size=window_size,
     softmax_scale=softmax_scale,
+    block_q=block_q,
+    block_kv=block_kv,
+    backend=backend,
+    block_q_bwd=block_q_bwd,
+    block_kv_bwd=block_kv_bwd,
+    platform=platform,
   )
+  check_shapes(q, k, v)
+  inputs = dict(segment_ids=segment_ids, q_positions=q_positions, kv_positions=kv_positions)
   positions_given = not positions_in_order and (q_positions is not None or kv_positions is not None)
-  backend = choose_backend(
+  kernel = choose_backend(
     q,
     k,
     v,
-    backend=backend,
-    platform=platform,
+    backend=opts.backend,
+    platform=opts.platform,
     segment_ids=segment_ids,
     positions_given=positions_given,
-    window_size=window_size,
+    window_size=opts.window_size,
     return_lse=return_lse,
     layout=layout,
   )
-  blocks = dict(
-    block_q=block_q, block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd
-  )
-  if backend == "blockwise":
-    return blockwise_attention(q, k, v, return_lse=return_lse, **blocks, **common)
-  if backend == "cpu":
-    return cpu_fused.cpu_fused_attention(q, k, v, return_lse=return_lse, **blocks, **common)
-  if backend == "reference":
-    return reference_attention(q, k, v, return_lse=return_lse, **common)
-  if backend == "xla":
+  if kernel == "blockwise":
+    return blockwise_attention(q, k, v, return_lse=return_lse, options=opts, **inputs)
+  if kernel == "cpu":
+    return cpu_fused.attend(q, k, v, return_lse=return_lse, options=opts, **inputs)
+  if kernel == "reference":
+    mask = dict(causal=opts.causal, window_size=opts.window_size, softmax_scale=opts.softmax_scale)
+    return reference_attention(q, k, v, return_lse=return_lse, **mask, **inputs)
+  if kernel == "xla":
     if return_lse:
       raise ValueError("backend='xla' cannot return lse; use 'blockwise' or 'reference'")
-    return jax_nn.xla_attention(q, k, v, **common)
-  if backend == "splash":  # raises ValueError naming why if the call cannot take it
+    return jax_nn.xla_attention(q, k, v, options=opts, **inputs)
+  if kernel == "splash":  # raises ValueError naming why if the call cannot take it
     return splash.splash_attention(
       q,
       k,
       v,
       segment_ids=segment_ids,
-      causal=causal,
-      window_size=window_size,
-      softmax_scale=softmax_scale,
       return_lse=return_lse,
       layout=layout,
       positions_given=positions_given,
-      interpret=_platform(platform) != "tpu",
-      **blocks,
+      interpret=_platform(opts.platform) != "tpu",
+      options=opts,
     )
-  why = jax_nn.cudnn_unsupported(q, k, v, segment_ids, positions_given, window_size, return_lse)
+  why = jax_nn.cudnn_unsupported(
+    q, k, v, segment_ids, positions_given, opts.window_size, return_lse
+  )
   if why:
     raise ValueError(f"backend='cudnn': {why}")
-  return jax_nn.cudnn_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+  return jax_nn.cudnn_attention(q, k, v, options=opts)
 
 
 def _block_backend(q, k, v, backend: str, platform: str | None, layout, positions_given) -> str:
   """The kernel of one ring block step: splash or the fused CPU kernel where
-  flash_attention would take them, else blockwise."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+  flash_attention would take them, else blockwise (backend and platform are
+  validated AttentionOptions fields)."""
   if backend == "splash":
     return "splash"  # the splash block functions raise if they cannot take the call
   p = _platform(platform)
@@ -212,6 +212,12 @@ def _block_backend(q, k, v, backend: str, platform: str | None, layout, position
   return "blockwise"
 
 
+def _block_options(options, **fields) -> AttentionOptions:
+  """The options of one block-API call: its backward uses the forward's blocks."""
+  opts = options_from(options, **fields)
+  return dataclasses.replace(opts, block_q_bwd=None, block_kv_bwd=None)
+
+
 @flop_tags.in_attention_scope
 def attention_block_forward(
   q,
@@ -222,14 +228,15 @@ def attention_block_forward(
   kv_segment_ids,
   q_positions,
   kv_positions,
-  causal,
-  window_size,
-  softmax_scale,
-  block_q,
-  block_kv,
+  causal=True,
+  window_size=None,
+  softmax_scale=None,
+  block_q=512,
+  block_kv=512,
   backend="auto",
   platform=None,
   layout=None,
+  options: AttentionOptions | None = None,
 ):
   """Attention of q against one (e.g. visiting ring) K/V block, for merging.
 
@@ -239,41 +246,34 @@ def attention_block_forward(
   is 0). Merge two partials with lse = logaddexp(lse_a, lse_b),
   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse). Not differentiable
   by itself: use attention_block_backward in the caller's custom_vjp.
-  layout: as flash_attention's (which natural token indices the rows hold).
+  options / the keywords and layout: as flash_attention's.
   """
-  positions_given = q_positions is not None or kv_positions is not None
-  kernel = _block_backend(q, k, v, backend, platform, layout, positions_given)
-  if kernel == "splash":
-    return splash.splash_block_forward(
-      q,
-      k,
-      v,
-      q_segment_ids=q_segment_ids,
-      kv_segment_ids=kv_segment_ids,
-      causal=causal,
-      window_size=window_size,
-      softmax_scale=softmax_scale,
-      block_q=block_q,
-      block_kv=block_kv,
-      layout=layout,
-      positions_given=positions_given,
-      interpret=_platform(platform) != "tpu",
-    )
-  fn = cpu_fused.cpu_block_forward if kernel == "cpu" else blockwise_block_forward
-  return fn(
-    q,
-    k,
-    v,
-    q_segment_ids=q_segment_ids,
-    kv_segment_ids=kv_segment_ids,
-    q_positions=q_positions,
-    kv_positions=kv_positions,
+  opts = _block_options(
+    options,
     causal=causal,
     window_size=window_size,
     softmax_scale=softmax_scale,
     block_q=block_q,
     block_kv=block_kv,
+    backend=backend,
+    platform=platform,
   )
+  segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  positions_given = q_positions is not None or kv_positions is not None
+  kernel = _block_backend(q, k, v, opts.backend, opts.platform, layout, positions_given)
+  if kernel == "splash":
+    return splash.splash_block_forward(
+      q,
+      k,
+      v,
+      **segments,
+      options=opts,
+      layout=layout,
+      positions_given=positions_given,
+      interpret=_platform(opts.platform) != "tpu",
+    )
+  fn = cpu_fused.cpu_block_forward if kernel == "cpu" else blockwise_block_forward
+  return fn(q, k, v, **segments, q_positions=q_positions, kv_positions=kv_positions, options=opts)
 
 
 @flop_tags.in_attention_scope
@@ -289,14 +289,15 @@ def attention_block_backward(
   kv_segment_ids,
   q_positions,
   kv_positions,
-  causal,
-  window_size,
-  softmax_scale,
-  block_q,
-  block_kv,
+  causal=True,
+  window_size=None,
+  softmax_scale=None,
+  block_q=512,
+  block_kv=512,
   backend="auto",
   platform=None,
   layout=None,
+  options: AttentionOptions | None = None,
 ):
   """FA2 backward of one K/V block against the GLOBAL (merged) out and lse.
 
@@ -305,8 +306,19 @@ def attention_block_backward(
   dk `[B, S, K, H]`, dv `[B, S, K, V]`), float32, this block's contributions
   (sum dq over blocks; dk/dv belong to this block).
   """
+  opts = _block_options(
+    options,
+    causal=causal,
+    window_size=window_size,
+    softmax_scale=softmax_scale,
+    block_q=block_q,
+    block_kv=block_kv,
+    backend=backend,
+    platform=platform,
+  )
+  segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   positions_given = q_positions is not None or kv_positions is not None
-  kernel = _block_backend(q, k, v, backend, platform, layout, positions_given)
+  kernel = _block_backend(q, k, v, opts.backend, opts.platform, layout, positions_given)
   if kernel == "splash":
     return splash.splash_block_backward(
       q,
@@ -315,16 +327,11 @@ def attention_block_backward(
       out,
       lse,
       dout,
-      q_segment_ids=q_segment_ids,
-      kv_segment_ids=kv_segment_ids,
-      causal=causal,
-      window_size=window_size,
-      softmax_scale=softmax_scale,
-      block_q=block_q,
-      block_kv=block_kv,
+      **segments,
+      options=opts,
       layout=layout,
       positions_given=positions_given,
-      interpret=_platform(platform) != "tpu",
+      interpret=_platform(opts.platform) != "tpu",
     )
   fn = cpu_fused.cpu_block_backward if kernel == "cpu" else blockwise_block_backward
   return fn(
@@ -334,13 +341,8 @@ def attention_block_backward(
     out,
     lse,
     dout,
-    q_segment_ids=q_segment_ids,
-    kv_segment_ids=kv_segment_ids,
+    **segments,
     q_positions=q_positions,
     kv_positions=kv_positions,
-    causal=causal,
-    window_size=window_size,
-    softmax_scale=softmax_scale,
-    block_q=block_q,
-    block_kv=block_kv,
+    options=opts,
   )

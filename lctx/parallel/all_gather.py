@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import jax
 
+from lctx.kernels.options import AttentionOptions
 from lctx.parallel import block_ops
-from lctx.parallel.block_ops import AttnConfig
 
 
-def all_gather_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_names: tuple[str, ...]):
+def all_gather_attention_local(
+  q, k, v, seg, pos, *, cfg: AttentionOptions, axis_names: tuple[str, ...]
+):
   if axis_names:
     k, v, kv_seg, kv_pos = (
       jax.lax.all_gather(x, axis_names, axis=1, tiled=True) for x in (k, v, seg, pos)

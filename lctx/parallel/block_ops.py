@@ -9,9 +9,11 @@
 - `maybe_visible`: conservative run-time test that a block pair has any visible
   (query, key) pair, used to skip fully masked ring steps.
 - `token_layout`: where a call's rows sit in natural token order
-  (`lctx.kernels.splash.Layout`), built by the strategies from
-  `AttnConfig.token_order`; kernels that mask on the natural index (splash) need
-  it to take explicit positions, the others ignore it.
+  (`lctx.kernels.token_order.Layout`), built by the strategies from
+  `AttentionOptions.token_order`; kernels that mask on the natural index
+  (splash) need it to take explicit positions, the others ignore it.
+
+Every function takes the one `AttentionOptions` (`cfg`) and hands it on whole.
 
 Shapes: q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, V]`, ids/positions `[B, T]`
 / `[B, S]` int32, lse `[B, N, T]` float32.
@@ -19,56 +21,21 @@ Shapes: q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, V]`, ids/positions `[B,
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 
 import lctx.kernels as kernels
+from lctx.kernels.options import AttentionOptions
+from lctx.kernels.token_order import Layout, TokenOrder
 
 _BIG = 2**30
 
 
-@dataclasses.dataclass(frozen=True)
-class AttnConfig:
-  """Static attention options shared by every strategy (hashable: nondiff arg)."""
-
-  causal: bool = True
-  window_size: int | None = None
-  softmax_scale: float | None = None
-  block_q: int = 512
-  block_kv: int = 512
-  backend: str = "auto"
-  platform: str | None = None  # of the mesh devices: what "auto" picks for (None: default)
-  block_q_bwd: int | None = None  # backward blocks of `attend` (None: the same)
-  block_kv_bwd: int | None = None
-  # Each ring hop can be split into sub_chunks x sub_chunks (q, kv) pairs that are
-  # skipped independently and bound the kernel's per-call temporaries (layout
-  # copies of q/k/v/out/dout scale with the call's length). None = auto: one call
-  # per hop up to split_above tokens (8 heads x 64 f32 on CPU: 32K causal ring
-  # fwd+bwd 76 s unsplit vs 116 s in 2048-token pieces, same run); above it,
-  # pieces of <= piece_tokens, at most max_sub_chunks (pairs run in one fori_loop).
-  # 16K-token chunks (128K on 8 devices) in 1/2/4/8 pieces: 418/385/341/325 MiB
-  # temp with the pairs unrolled; 277 MiB at 8 pieces in the loop (2026-11-29).
-  sub_chunks: int | None = None
-  split_above: int = 4096
-  piece_tokens: int = 2048
-  max_sub_chunks: int = 8
-  # The order of the global sequence the strategies shard, when the batch is known
-  # to follow it (positions count up by one along the natural order inside every
-  # segment, as the data pipeline makes them): 0 = natural order, P = zigzag over
-  # ring size P (lctx.parallel.zigzag). None: unknown, so kernels that mask on the
-  # natural token index (splash) do not apply and blockwise runs instead.
-  token_order: int | None = None
-  # ulysses / usp: run the all-to-all attention in this many head stages (UPipe,
-  # lctx/parallel/upipe.py); None or 1: all heads at once.
-  head_chunks: int | None = None
-
-  def scale(self, head_dim: int) -> float:
-    return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)
+# The strategies' name for the attention options (one object, lctx/kernels/options.py).
+AttnConfig = AttentionOptions
 
 
-def ring_sub_chunks(cfg: AttnConfig, length: int) -> int:
+def ring_sub_chunks(cfg: AttentionOptions, length: int) -> int:
   """How many pieces each device chunk of `length` tokens is cut into per hop."""
   if cfg.sub_chunks is not None:
     c = max(1, int(cfg.sub_chunks))
@@ -81,17 +48,16 @@ def ring_sub_chunks(cfg: AttnConfig, length: int) -> int:
   return c
 
 
-def token_layout(cfg: AttnConfig, length: int, q_start, kv_start):
+def token_layout(cfg: AttentionOptions, length: int, q_start, kv_start):
   """The kernels' Layout of a call whose q rows are global array indices
   q_start + [0, T) and kv rows kv_start + [0, S) of the `length`-token sequence
   (starts may be traced); None when cfg.token_order is None."""
   if cfg.token_order is None:
     return None
-  order = kernels.splash.TokenOrder(int(length), int(cfg.token_order))
-  return kernels.splash.Layout(order, q_start, kv_start)
+  return Layout(TokenOrder(int(length), int(cfg.token_order)), q_start, kv_start)
 
 
-def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, layout=None):
+def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttentionOptions, layout=None):
   """Differentiable attention of q against k/v; out `[B, T, N, V]`."""
   return kernels.flash_attention(
     q,
@@ -100,20 +66,12 @@ def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, layout=Non
     segment_ids=(q_seg, kv_seg),
     q_positions=q_pos,
     kv_positions=kv_pos,
-    causal=cfg.causal,
-    window_size=cfg.window_size,
-    softmax_scale=cfg.softmax_scale,
-    block_q=cfg.block_q,
-    block_kv=cfg.block_kv,
-    backend=cfg.backend,
-    block_q_bwd=cfg.block_q_bwd,
-    block_kv_bwd=cfg.block_kv_bwd,
-    platform=cfg.platform,
+    options=cfg,
     layout=layout,
   )
 
 
-def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, layout=None):
+def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttentionOptions, layout=None):
   """One block step: (out `[B, T, N, V]` f32 normalised within the block, lse `[B, N, T]`)."""
   out, lse = kernels.attention_block_forward(
     q,
@@ -123,20 +81,14 @@ def block_forward(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, lay
     kv_segment_ids=kv_seg,
     q_positions=q_pos,
     kv_positions=kv_pos,
-    causal=cfg.causal,
-    window_size=cfg.window_size,
-    softmax_scale=cfg.softmax_scale,
-    block_q=cfg.block_q,
-    block_kv=cfg.block_kv,
-    backend=cfg.backend,
-    platform=cfg.platform,
+    options=cfg,
     layout=layout,
   )
   return out.astype(jnp.float32), lse.astype(jnp.float32)
 
 
 def block_backward(
-  q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, layout=None
+  q, k, v, out, lse, dout, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttentionOptions, layout=None
 ):
   """FA2 backward of one block against the GLOBAL out/lse; (dq, dk, dv) in float32."""
   dq, dk, dv = kernels.attention_block_backward(
@@ -150,13 +102,7 @@ def block_backward(
     kv_segment_ids=kv_seg,
     q_positions=q_pos,
     kv_positions=kv_pos,
-    causal=cfg.causal,
-    window_size=cfg.window_size,
-    softmax_scale=cfg.softmax_scale,
-    block_q=cfg.block_q,
-    block_kv=cfg.block_kv,
-    backend=cfg.backend,
-    platform=cfg.platform,
+    options=cfg,
     layout=layout,
   )
   return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
@@ -173,7 +119,7 @@ def merge(o1, lse1, o2, lse2):
   return o1 * w1 + o2 * w2, lse
 
 
-def maybe_visible(q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, xp=jnp):
+def maybe_visible(q_seg, kv_seg, q_pos, kv_pos, cfg: AttentionOptions, xp=jnp):
   """Scalar bool: False only if no (query, key) pair of the blocks can be visible.
 
   Conservative per row: a visible pair needs a shared non-zero segment id (so the
@@ -199,7 +145,7 @@ def maybe_visible(q_seg, kv_seg, q_pos, kv_pos, cfg: AttnConfig, xp=jnp):
   return xp.any(ok)
 
 
-def count_ring_blocks(segment_ids, positions, *, ring_size: int, cfg: AttnConfig):
+def count_ring_blocks(segment_ids, positions, *, ring_size: int, cfg: AttentionOptions):
   """Per-device number of (q sub-chunk, kv sub-chunk) pairs the ring computes.
 
   segment_ids, positions: numpy `[B, T]` in the order the ring sees (zigzag or not).

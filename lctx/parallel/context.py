@@ -15,6 +15,7 @@ positions `[B, T]` int32, out `[B, T, N, V]`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,9 +24,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lctx.errors import ConfigError
+from lctx.kernels.options import AttentionOptions, options_from
 from lctx.parallel.all_gather import all_gather_attention_local
 from lctx.parallel.auto import choose_strategy
-from lctx.parallel.block_ops import AttnConfig
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
 from lctx.parallel.ring import ring_attention_local
 from lctx.parallel.ulysses import ulysses_attention_local, usp_attention_local
@@ -59,7 +60,7 @@ def _present(mesh, axes):
   return names or None
 
 
-def _local_fn(strategy: str, mesh, cfg: AttnConfig):
+def _local_fn(strategy: str, mesh, cfg: AttentionOptions):
   shape = mesh_shape(mesh)
   if strategy == "all_gather":
     return functools.partial(
@@ -83,7 +84,7 @@ def _local_fn(strategy: str, mesh, cfg: AttnConfig):
 
 
 @functools.cache
-def _sharded(mesh, strategy: str, cfg: AttnConfig, kv_heads_sharded: bool):
+def _sharded(mesh, strategy: str, cfg: AttentionOptions, kv_heads_sharded: bool):
   """jit(shard_map(strategy)) over the whole mesh; cached per configuration."""
   batch, seq = _present(mesh, BATCH_AXES), _present(mesh, SEQ_AXES)
   head = HEAD_AXIS if HEAD_AXIS in mesh.axis_names else None
@@ -125,6 +126,7 @@ def make_attention_fn(
   platform: str | None = None,
   ulysses_head_chunks: int | None = None,
   stage_projections: bool = False,
+  options: AttentionOptions | None = None,
 ):
   """Builds the model's attention plug-in for one resolved strategy.
 
@@ -135,7 +137,9 @@ def make_attention_fn(
   splash, which masks on the natural token index, can take the calls: it relies
   on positions counting up by one along the natural order inside every segment,
   as the data pipeline makes them (other positions: kernel_backend='blockwise').
-  `platform`: what the kernels' 'auto' picks for (None: the mesh devices').
+  `options`: the attention options (the plan's); or the keywords kernel_backend
+  (its `backend`), block_q, block_kv, block_q_bwd, block_kv_bwd, sub_chunks and
+  platform (not both). A platform of None means the mesh devices'.
   `ulysses_head_chunks` (ulysses / usp): run attention in this many head stages
   (UPipe, lctx/parallel/upipe.py); None or 1: all heads at once.
   `stage_projections` (with ulysses_head_chunks > 1): the plug-in runs every
@@ -146,7 +150,16 @@ def make_attention_fn(
   re-projected and re-exchanged per q stage.
   Validation runs at trace time, before anything compiles.
   """
-  platform = platform or mesh.devices.flat[0].platform
+  base = options_from(
+    options,
+    backend=kernel_backend,
+    block_q=block_q,
+    block_kv=block_kv,
+    sub_chunks=sub_chunks,
+    block_q_bwd=block_q_bwd,
+    block_kv_bwd=block_kv_bwd,
+    platform=platform,
+  )
   if strategy not in STRATEGIES:
     raise ConfigError(
       f"[unknown-strategy] context_parallel_strategy {strategy!r} is not "
@@ -157,6 +170,14 @@ def make_attention_fn(
       f"[head-chunks] ulysses_head_chunks={ulysses_head_chunks} applies to the ulysses "
       f"and usp strategies only, not {strategy!r}"
     )
+  base = dataclasses.replace(
+    base,
+    platform=base.platform or mesh.devices.flat[0].platform,
+    token_order=None
+    if load_balance is None
+    else (zigzag_ring_size(mesh_shape(mesh)) if load_balance else 0),
+    head_chunks=None if stage_projections else ulysses_head_chunks,
+  )
 
   def attention_fn(
     q, k, v, *, segment_ids=None, positions=None, causal=True, window_size=None, softmax_scale=None
@@ -169,22 +190,7 @@ def make_attention_fn(
       seq_len=q.shape[1],
       load_balance=bool(load_balance),
     )
-    cfg = AttnConfig(
-      causal=bool(causal),
-      window_size=window_size,
-      softmax_scale=softmax_scale,
-      block_q=block_q,
-      block_kv=block_kv,
-      backend=kernel_backend,
-      sub_chunks=sub_chunks,
-      block_q_bwd=block_q_bwd,
-      block_kv_bwd=block_kv_bwd,
-      platform=platform,
-      token_order=None
-      if load_balance is None
-      else (zigzag_ring_size(mesh_shape(mesh)) if load_balance else 0),
-      head_chunks=None if stage_projections else ulysses_head_chunks,
-    )
+    cfg = base.with_mask(causal, window_size, softmax_scale)
     return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
 
   if stage_projections:
@@ -222,6 +228,7 @@ def context_attention(
   block_q: int = 512,
   block_kv: int = 512,
   ulysses_head_chunks: int | None = None,
+  options: AttentionOptions | None = None,
 ):
   """Context-parallel attention on global arrays in natural token order.
 
@@ -233,6 +240,9 @@ def context_attention(
     load_balance: zigzag-reorder with ring size = context before, and undo it
       after (the training path instead gets pre-reordered batches).
     ulysses_head_chunks: ulysses / usp head stages (UPipe; see make_attention_fn).
+    options: the kernel settings as one AttentionOptions, instead of
+      kernel_backend / block_q / block_kv (the mask stays in causal,
+      window_size and softmax_scale).
   Returns:
     out `[B, T, N, V]` in natural order.
   """
@@ -261,6 +271,7 @@ def context_attention(
     block_kv=block_kv,
     load_balance=load_balance,
     ulysses_head_chunks=ulysses_head_chunks,
+    options=options,
   )
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -20,12 +20,15 @@ sharding.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from lctx import kernels
+from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.token_order import Layout, TokenOrder
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, mesh_shape, shard_map_over
 
 HEAD_AXIS = dict(LOGICAL_RULES)["act_heads"]
@@ -60,9 +63,13 @@ def local_attention_fn(
   platform: str | None = None,
   natural_order: bool = True,
   mesh=None,
+  options: AttentionOptions | None = None,
 ) -> Callable:
   """The model plug-in (docs/contracts.md) calling `lctx.kernels`.
 
+  options: the attention options (the plan's); or the keywords kernel_backend
+    (its `backend`), block_q, block_kv, block_q_bwd, block_kv_bwd and platform
+    (not both). The model's call adds the mask (causal, window, scale).
   natural_order: the batches follow the natural token order, positions counting
     up by one along each row inside every segment (the pipeline's batches).
     False: positions are arbitrary, so kernels that mask on the natural token
@@ -70,25 +77,34 @@ def local_attention_fn(
   mesh: the mesh the batch is sharded over (None: the mesh set by
     `jax.set_mesh` at trace time, if any); splash runs in a shard_map over it.
   """
+  base = options_from(
+    options,
+    backend=kernel_backend,
+    block_q=block_q,
+    block_kv=block_kv,
+    block_q_bwd=block_q_bwd,
+    block_kv_bwd=block_kv_bwd,
+    platform=platform,
+  )
 
   def attention_fn(
     q, k, v, *, segment_ids, positions, causal=True, window_size=None, softmax_scale=None
   ):
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
-    layout = None
-    if natural_order and t == s:
-      layout = kernels.splash.Layout(kernels.splash.TokenOrder(t))
+    opts = base.with_mask(causal, window_size, softmax_scale)
+    layout = Layout(TokenOrder(t)) if natural_order and t == s else None
     backend = kernels.choose_backend(
       q,
       k,
       v,
-      backend=kernel_backend,
-      platform=platform,
+      backend=opts.backend,
+      platform=opts.platform,
       segment_ids=segment_ids,
       positions_given=positions is not None,
-      window_size=window_size,
+      window_size=opts.window_size,
       layout=layout,
     )
+    opts = dataclasses.replace(opts, backend=backend)
 
     def call(q, k, v, segment_ids, positions):
       return kernels.flash_attention(
@@ -98,15 +114,7 @@ def local_attention_fn(
         segment_ids=segment_ids,
         q_positions=positions,
         kv_positions=positions,
-        causal=causal,
-        window_size=window_size,
-        softmax_scale=softmax_scale,
-        block_q=block_q,
-        block_kv=block_kv,
-        block_q_bwd=block_q_bwd,
-        block_kv_bwd=block_kv_bwd,
-        backend=backend,
-        platform=platform,
+        options=opts,
         layout=layout,
       )
 

@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from jax.sharding import Mesh
 
 from lctx.errors import ConfigError
-from lctx.kernels import BACKENDS, cpu_fused
+from lctx.kernels import cpu_fused
+from lctx.kernels.options import AttentionOptions
 from lctx.parallel import memory_model
 from lctx.parallel import mesh as mesh_lib
 from lctx.parallel.auto import choose_strategy
@@ -66,26 +67,10 @@ class AttentionDims:
   activation_bytes_per_token: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelOptions:
-  """Attention kernel settings (lctx.kernels.flash_attention)."""
-
-  backend: str = "auto"
-  block_q: int = 512
-  block_kv: int = 512
-  block_q_bwd: int | None = None
-  block_kv_bwd: int | None = None
-
-  def __post_init__(self):
-    if self.backend not in BACKENDS:
-      raise ConfigError(f"attention_backend must be one of {BACKENDS}; got {self.backend!r}")
-    for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
-      value = getattr(self, name)
-      optional = name.endswith("_bwd")
-      if (value is None and optional) or (isinstance(value, int) and value >= 1):
-        continue
-      kind = "None or a positive int" if optional else "a positive int"
-      raise ConfigError(f"attention_{name} must be {kind}; got {value!r}")
+# The plan's name for the attention options (lctx/kernels/options.py): TrainConfig's
+# attention settings; the plan adds the platform, the strategy the token order.
+KernelOptions = AttentionOptions
+_DEFAULT_KERNEL = AttentionOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +84,8 @@ class ContextPlan:
     ring_size: P of the zigzag reorder (the `context` axis size).
     platform: platform of the mesh devices ('cpu', 'gpu', 'tpu'): the kernels'
       'auto' backend picks for it, not for the host running Python.
-    kernel: attention kernel settings.
+    kernel: the attention options (backend, blocks); `attention_fn` hands them
+      on with the mesh's platform.
     reason: why this strategy (the `auto` choice, or 'configured').
     head_chunks: ulysses/usp only: run attention in this many head stages
       (UPipe, lctx/parallel/upipe.py); None: all heads at once.
@@ -112,7 +98,7 @@ class ContextPlan:
   load_balance: bool
   ring_size: int
   platform: str
-  kernel: KernelOptions
+  kernel: AttentionOptions
   reason: str = "configured"
   head_chunks: int | None = None
   stage_projections: bool = False
@@ -125,24 +111,16 @@ class ContextPlan:
   @property
   def attention_fn(self) -> Callable:
     """The model plug-in (docs/contracts.md) for batches in device order."""
-    k = self.kernel
-    kw = dict(
-      kernel_backend=k.backend,
-      block_q=k.block_q,
-      block_kv=k.block_kv,
-      block_q_bwd=k.block_q_bwd,
-      block_kv_bwd=k.block_kv_bwd,
-      platform=self.platform,
-    )
+    options = dataclasses.replace(self.kernel, platform=self.platform)
     if self.strategy == "none":
-      return local_attention_fn(mesh=self.mesh, **kw)
+      return local_attention_fn(mesh=self.mesh, options=options)
     return make_attention_fn(
       self.mesh,
       self.strategy,
+      options=options,
       load_balance=self.load_balance,
       ulysses_head_chunks=self.head_chunks,
       stage_projections=self.stage_projections,
-      **kw,
     )
 
   def to_device_order(self, batch: Mapping[str, object], axis: int = 1) -> dict:
@@ -179,7 +157,7 @@ def make_context_plan(
   batch_size: int,
   strategy: str = "auto",
   load_balance: bool | None = None,
-  kernel: KernelOptions = KernelOptions(),
+  kernel: AttentionOptions = _DEFAULT_KERNEL,
   memory_budget_bytes: int | None = None,
   head_chunks: int | None = None,
   stage_projections: bool = False,

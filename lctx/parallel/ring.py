@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 
 from lctx.kernels.masking import MASKED_LSE
+from lctx.kernels.options import AttentionOptions
 from lctx.kernels.shard_typing import cotangent_like, varying_like
 from lctx.parallel import block_ops
-from lctx.parallel.block_ops import AttnConfig
 
 
-def _n_chunks(cfg: AttnConfig, length: int) -> int:
+def _n_chunks(cfg: AttentionOptions, length: int) -> int:
   return block_ops.ring_sub_chunks(cfg, length)
 
 
@@ -235,6 +235,8 @@ def _ring_bwd(cfg, axis, size, res, dout):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: str, axis_size: int):
+def ring_attention_local(
+  q, k, v, seg, pos, *, cfg: AttentionOptions, axis_name: str, axis_size: int
+):
   """Ring attention over `axis_name` (size P) on local shards; returns `[B, T, N, V]`."""
   return _ring(cfg, axis_name, int(axis_size), q, k, v, seg, pos)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import jax
 
+from lctx.kernels.options import AttentionOptions
 from lctx.parallel import block_ops, upipe
-from lctx.parallel.block_ops import AttnConfig
 from lctx.parallel.ring import ring_attention_local
 
 
@@ -35,7 +35,7 @@ def _gather_tokens(x, axis):
   return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
 
-def ulysses_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: str):
+def ulysses_attention_local(q, k, v, seg, pos, *, cfg: AttentionOptions, axis_name: str):
   """Local q `[B, T/A, n, H]` ... -> out `[B, T/A, n, V]`."""
   if (cfg.head_chunks or 1) > 1:  # UPipe: one head group at a time
     seg, pos = _gather_tokens(seg, axis_name), _gather_tokens(pos, axis_name)
@@ -52,7 +52,7 @@ def ulysses_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: st
 
 
 def usp_attention_local(
-  q, k, v, seg, pos, *, cfg: AttnConfig, ring_axis: str, ring_size: int, ulysses_axis: str
+  q, k, v, seg, pos, *, cfg: AttentionOptions, ring_axis: str, ring_size: int, ulysses_axis: str
 ):
   """Local q `[B, T/(R*U), n, H]` ... -> out `[B, T/(R*U), n, V]`."""
   if (cfg.head_chunks or 1) > 1:  # UPipe: one head group at a time, each a ring

@@ -2,7 +2,7 @@
 
 Plain ulysses turns every local head into a whole-sequence head at once, so a
 device holds q, k, v, out (and the kernel's buffers) of the whole sequence for
-n/A heads. Here the layer's attention runs in S stages (`AttnConfig.head_chunks`),
+n/A heads. Here the layer's attention runs in S stages (`AttentionOptions.head_chunks`),
 each moving only u = n / (A S) q heads per device through the all-to-all, the
 kernel and the inverse all-to-all; the stages run in a `lax.scan`, so their
 buffers are reused and the attention working set is one stage's. K/V are
@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lctx.kernels.options import AttentionOptions
 from lctx.kernels.shard_typing import varying_like
 from lctx.parallel import block_ops
-from lctx.parallel.block_ops import AttnConfig
 
 
 def _to_heads(x, axis):
@@ -97,7 +97,7 @@ def head_stages(num_heads: int, num_kv_heads: int, *, degree: int, stages: int):
   return q, kv
 
 
-def upipe_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: str, attend):
+def upipe_attention_local(q, k, v, seg, pos, *, cfg: AttentionOptions, axis_name: str, attend):
   """Head-chunked all-to-all attention over `axis_name`.
 
   attend(q, k, v, seg, pos) -> out: the whole-sequence attention of one stage
@@ -144,7 +144,7 @@ def upipe_attention_local(q, k, v, seg, pos, *, cfg: AttnConfig, axis_name: str,
   return buf.reshape(b, t_loc, n, vd)
 
 
-def ulysses_stage_attend(cfg: AttnConfig):
+def ulysses_stage_attend(cfg: AttentionOptions):
   """The kernel on one stage's whole sequence (plain ulysses' call)."""
 
   def attend(q, k, v, seg, pos):

@@ -2,7 +2,8 @@
 
 The sequence is cut into 2P equal chunks; device r of the P context devices holds
 chunks r and 2P-1-r, so every device owns one early and one late chunk and does the
-same causal work. The reorder runs once per batch on the host (data pipeline) for
+same causal work (`zigzag_order`, defined in lctx/kernels/token_order.py, where the
+kernels read it too). The reorder runs once per batch on the host (data pipeline) for
 inputs, targets, positions, segment ids and loss mask; attention decides causality
 from the carried true positions, so nothing else needs to know about it.
 
@@ -17,15 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lctx.kernels.token_order import zigzag_order
+
 
 def _xp(x):
   return np if isinstance(x, np.ndarray) else jnp
-
-
-def zigzag_order(ring_size: int) -> np.ndarray:
-  """Chunk order [0, 2P-1, 1, 2P-2, ...]: slot 2r, 2r+1 hold chunks r, 2P-1-r."""
-  p = int(ring_size)
-  return np.array([c for r in range(p) for c in (r, 2 * p - 1 - r)], dtype=np.int32)
 
 
 def _check(length: int, ring_size: int) -> None:

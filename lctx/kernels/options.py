@@ -1,0 +1,115 @@
+"""`AttentionOptions`: the one object that carries attention settings to every kernel.
+
+TrainConfig's attention fields become one `AttentionOptions` (lctx/trainer.py);
+the context plan adds the mesh's platform and the batch's token order; the
+strategies (lctx/parallel) hand it to the ring/ulysses block API and to
+`flash_attention`, which hands it to the backend it picks. Frozen and made of
+plain scalars, so it is hashable: a static jit / custom_vjp argument and a key
+of the strategies' compile cache.
+
+Its validation is here and nowhere else: an invalid value raises a ValueError
+naming the field when the object is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+BACKENDS = ("auto", "blockwise", "cpu", "reference", "splash", "cudnn", "xla")
+PLATFORMS = ("cpu", "gpu", "tpu")
+_BLOCKS = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """Static attention settings.
+
+  Mask (the model sets these per call; see `with_mask`):
+    causal: keys at positions <= the query's only.
+    window_size: None, or w >= 1: keys within w positions of the query.
+    softmax_scale: None: head_dim ** -0.5.
+  Kernel (lctx.kernels.flash_attention):
+    backend: one of BACKENDS ('auto': by platform and call, flash.choose_backend).
+    block_q, block_kv: kernel blocks (blockwise, cpu, splash).
+    block_q_bwd, block_kv_bwd: the backward pass's blocks (None: the forward's);
+      the block API's backward uses block_q / block_kv.
+    platform: 'cpu' | 'gpu' | 'tpu' the call compiles for (None: the default
+      backend); decides what 'auto' picks.
+  Context strategies (lctx/parallel; the kernels ignore these):
+    token_order: the order of the global sequence the strategies shard, when
+      the batch is known to follow it (positions count up by one along the
+      natural order inside every segment, as the data pipeline makes them):
+      0 = natural, P = zigzag over ring size P (token_order.py). None:
+      unknown, so kernels that mask on the natural token index (splash) do not
+      take calls with positions.
+    sub_chunks: ring only: cut each hop into sub_chunks x sub_chunks (q, kv)
+      pairs, skipped independently, bounding the kernel's per-call temporaries.
+      None: one call per hop up to split_above tokens; above it, pieces of at
+      most piece_tokens, at most max_sub_chunks (the pairs run in one fori_loop).
+    head_chunks: ulysses / usp: run the all-to-all attention in this many head
+      stages (UPipe, lctx/parallel/upipe.py); None or 1: all heads at once.
+  """
+
+  causal: bool = True
+  window_size: int | None = None
+  softmax_scale: float | None = None
+  backend: str = "auto"
+  block_q: int = 512
+  block_kv: int = 512
+  block_q_bwd: int | None = None
+  block_kv_bwd: int | None = None
+  platform: str | None = None
+  token_order: int | None = None
+  sub_chunks: int | None = None
+  split_above: int = 4096
+  piece_tokens: int = 2048
+  max_sub_chunks: int = 8
+  head_chunks: int | None = None
+
+  def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}; got {self.backend!r}")
+    if self.platform is not None and self.platform not in PLATFORMS:
+      raise ValueError(f"platform must be one of {PLATFORMS} or None; got {self.platform!r}")
+    for name in _BLOCKS:
+      value = getattr(self, name)
+      optional = name.endswith("_bwd")
+      if (value is None and optional) or (
+        isinstance(value, int) and not isinstance(value, bool) and value >= 1
+      ):
+        continue
+      kind = "None or a positive int" if optional else "a positive int"
+      raise ValueError(f"{name} must be {kind} (block sizes must be >= 1); got {value!r}")
+    if self.window_size is not None and int(self.window_size) < 1:
+      raise ValueError(f"window_size must be None or >= 1; got {self.window_size}")
+    # Normalised so equal settings hash equal (np.int64 windows, 0/1 causal).
+    object.__setattr__(self, "causal", bool(self.causal))
+    if self.window_size is not None:
+      object.__setattr__(self, "window_size", int(self.window_size))
+
+  def scale(self, head_dim: int) -> float:
+    """The softmax scale for q/k heads of `head_dim`."""
+    return head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)
+
+  def with_mask(self, causal, window_size, softmax_scale) -> AttentionOptions:
+    """These options with the mask of one call (the model's attention plug-in
+    passes causal, window_size and softmax_scale per call)."""
+    return dataclasses.replace(
+      self, causal=causal, window_size=window_size, softmax_scale=softmax_scale
+    )
+
+
+_DEFAULTS = AttentionOptions()
+
+
+def options_from(options: AttentionOptions | None, **fields) -> AttentionOptions:
+  """`options`, or the options the keyword `fields` spell out (for entry points
+  that take both); passing options and a non-default field is an error."""
+  if options is None:
+    return AttentionOptions(**fields)
+  if not isinstance(options, AttentionOptions):
+    raise TypeError(f"options must be an AttentionOptions; got {type(options).__name__}")
+  given = sorted(k for k, v in fields.items() if v != getattr(_DEFAULTS, k))
+  if given:
+    raise ValueError(f"pass these settings in options, not also as keywords: {given}")
+  return options

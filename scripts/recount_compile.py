@@ -6,7 +6,7 @@ r"""Recount a kept `--mode=compile` program: FLOPs, bytes and step-time estimate
 
 Reads the optimised HLO the compile left in the dump directory and rewrites the
 counting keys of compile.json (lctx.compile.step_figures) with the current
-lctx/hlo_flops.py, without compiling again (a full-size compile takes minutes).
+lctx/sizing/hlo_flops.py, without compiling again (a full-size compile takes minutes).
 """
 
 import glob

@@ -1,4 +1,4 @@
-"""Matmul FLOPs from optimised HLO (lctx/hlo_flops.py), against programs whose count is known.
+"""Matmul FLOPs from optimised HLO (lctx/sizing/hlo_flops.py), against programs whose count is known.
 
 Small programs are compiled by the real TPU compiler on libtpu's compile-only
 devices ('v5p:2x2x1'), so the HLO read is what the TPU compiler emits (dots

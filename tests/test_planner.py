@@ -712,7 +712,7 @@ def test_planner_held_out_within_15_percent(
 
 
 # ----------------------------------------------------------------------------
-# The fastest setup that fits (lctx/step_estimate.py)
+# The fastest setup that fits (lctx/sizing/step_estimate.py)
 # ----------------------------------------------------------------------------
 def test_fastest_differs_from_smallest_when_attention_dominates():
   """4M tokens of Llama-3.1-8B on v5p-64: attention is ~99% of the FLOPs. The

@@ -307,8 +307,17 @@ def test_oom_figures_are_read_in_their_units():
 
 
 def test_attention_backend_is_read_from_the_compiled_module():
-  assert compile_lib.attention_backend_of(
-    '%splash_mha_fwd.1 = custom_call_target="tpu_custom_call"'
+  assert (
+    compile_lib.attention_backend_of('%splash_mha_fwd.1 = custom_call_target="tpu_custom_call"')
+    == "splash"
+  )
+  # The name alone, without a Mosaic call: splash run by the Pallas interpreter.
+  assert compile_lib.attention_backend_of("%splash_mha_fwd.1 = f32[] add()") == "splash_interpret"
+  assert (
+    compile_lib.attention_backend_of(
+      'custom_call_target="__cudnn$fmhaSoftmax" custom_call_target="lctx_cpu_attention_fwd"'
+    )
+    == "cudnn+cpu"
   )
   assert (
     compile_lib.attention_backend_of(
@@ -364,12 +373,13 @@ def test_auto_never_takes_the_cpu_kernel_on_a_tpu_mesh():
 def test_auto_strategy_is_sized_with_the_kernel_of_the_mesh(monkeypatch):
   """`auto` sizes its candidates with the buffers of the kernel the mesh runs:
   splash on TPU devices, blockwise on CPU ones (the planner counts the same)."""
+  from lctx.parallel import auto  # pylint: disable=g-import-not-at-top
   from lctx.parallel import plan as plan_lib  # pylint: disable=g-import-not-at-top
 
   seen = []
-  choose = plan_lib.choose_strategy
+  choose = auto.choose_strategy
   monkeypatch.setattr(
-    plan_lib, "choose_strategy", lambda **kw: seen.append(kw["kernel"]) or choose(**kw)
+    auto, "choose_strategy", lambda **kw: seen.append(kw["kernel"]) or choose(**kw)
   )
   dims = plan_lib.AttentionDims(num_q_heads=8, num_kv_heads=8, head_dim=128, v_head_dim=128)
   cfg = mesh_lib.MeshConfig(context=4)

@@ -47,8 +47,9 @@ sys.path.insert(0, ROOT)
 
 import gin  # noqa: E402
 
-from lctx import compile as compile_lib  # noqa: E402
-from lctx import configs, gin_utils, hardware, planner  # noqa: E402
+from lctx import configs, gin_utils, hardware  # noqa: E402
+from lctx.sizing import devices, planner  # noqa: E402
+from lctx.sizing import tpu as compile_lib  # noqa: E402
 
 GiB = 2**30
 GIN_FILES = ("gin/runs/tpu_pg19.gin", "gin/models/llama3_8b.gin")
@@ -268,8 +269,7 @@ def main(argv=None) -> None:
   ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench_memory.json"))
   ap.add_argument("--cache", default=os.path.join(ROOT, "bench_results", "bench_memory_cache.json"))
   args = ap.parse_args(argv)
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  devices.compile_only_env()
   only = {c.strip() for c in args.only.split(",") if c.strip()}
   cache = {}
   if os.path.exists(args.cache):

@@ -520,7 +520,7 @@ def _compile(exp, topology):
   """compile_step's record, at the matmul precision Mosaic (splash) accepts."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import tpu as compile_lib  # pylint: disable=g-import-not-at-top
 
   # Mosaic (splash) takes bf16 matmuls at default precision only; conftest sets 'highest'.
   with jax.default_matmul_precision("default"):
@@ -779,7 +779,7 @@ def test_plan_json_has_fastest(tmp_path):
 def test_step_flops_follow_the_trainer_formula_and_the_remat_policy():
   """No remat: the formula plus the kernel's backward beyond 2 x forward; 'full'
   recomputes the whole layer forward: the formula's forward less the unembedding."""
-  from lctx import step_estimate  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import step_estimate  # pylint: disable=g-import-not-at-top
 
   exp = _exp(LLAMA_8B, seq_len=1 << 20)
   dims, m = planner.model_dims(exp.model), exp.model

@@ -27,16 +27,19 @@ COMPILE_ONLY_ENV = {
   # Without the metadata server libtpu finds no worker list and logs an E0000
   # error; compile-only devices live in this one process.
   "TPU_WORKER_HOSTNAMES": "localhost",
+}
+GPU_COMPILE_ONLY_ENV = {
   # Without a GPU the CUDA plugin's library version check fails and the plugin
   # is not registered (so no topology); read when jax discovers its plugins.
   "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
 }
 
 
-def compile_only_env() -> None:
-  """Sets COMPILE_ONLY_ENV (keeping values already set); read when libtpu loads
-  (the first topology call) and when jax discovers its plugins."""
-  for name, value in COMPILE_ONLY_ENV.items():
+def compile_only_env(gpu: bool = False) -> None:
+  """Sets COMPILE_ONLY_ENV (read when libtpu loads, at the first topology
+  call), and with `gpu` GPU_COMPILE_ONLY_ENV (read when jax discovers its
+  plugins); values already set are kept."""
+  for name, value in {**COMPILE_ONLY_ENV, **(GPU_COMPILE_ONLY_ENV if gpu else {})}.items():
     os.environ.setdefault(name, value)
 
 

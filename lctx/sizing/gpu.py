@@ -180,7 +180,7 @@ def gpu_topology_devices(
   shape = topology_shape(acc.name, count)
   if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
     raise RuntimeError(install_hint())
-  devices_lib.compile_only_env()
+  devices_lib.compile_only_env(gpu=True)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 
   try:

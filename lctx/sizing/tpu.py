@@ -31,7 +31,11 @@ import numpy as np
 
 from lctx import hardware, progress
 from lctx.errors import ConfigError
-from lctx.sizing.devices import compile_devices
+from lctx.sizing.devices import (  # noqa: F401  (topology_devices, INSTALL_HINT: re-exported)
+  INSTALL_HINT,
+  compile_devices,
+  topology_devices,
+)
 
 GiB = hardware.GiB
 # The compiler's own HBM check: "Ran out of memory on HBM, the total memory

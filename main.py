@@ -1,4 +1,4 @@
-r"""lctx entry point: gin files + absl flags -> lctx.train.run.
+r"""lctx entry point: gin files + absl flags -> one handler per --mode (MODES).
 
 python main.py --gin_file=gin/local_cpu.gin --workdir=/tmp/lctx
 python main.py --gin_file=gin/usp_ironwood.gin --gin_param="TrainConfig.steps=10"
@@ -145,7 +145,7 @@ def _run(experiment, target, workdir):
 
 
 def _compile(experiment, target, workdir):
-  from lctx import train  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import tpu  # pylint: disable=g-import-not-at-top
 
   topology = FLAGS.compile_topology or target
   if not topology:
@@ -155,42 +155,39 @@ def _compile(experiment, target, workdir):
       fix="Pass --compile_topology=v5p:4x4x4 (a TPU slice) or =h100x8 (a GPU node), "
       "or set COMPILE_TOPOLOGY = '...' in the gin file.",
     )
-  record = train.run(
-    "compile",
-    workdir,
+  record = tpu.run_compile(
     experiment,
-    compile_topology=topology,
-    compile_topology_num_slices=FLAGS.compile_topology_num_slices,
-    compile_step=FLAGS.compile_step,
+    workdir,
+    topology=topology,
+    num_slices=FLAGS.compile_topology_num_slices,
+    step=FLAGS.compile_step,
   )
   return 0 if record["fits"] else 1
 
 
 def _plan(experiment, target, workdir):
-  from lctx import train  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import planner  # pylint: disable=g-import-not-at-top
 
-  record = train.run(
-    "plan",
-    workdir,
+  record = planner.run_plan(
     experiment,
-    plan_hardware=FLAGS.plan_hardware,
+    workdir,
+    hardware=FLAGS.plan_hardware,
     plan_then_compile=FLAGS.plan_then_compile,
-    plan_gin_files=tuple(FLAGS.gin_file),
+    gin_files=tuple(FLAGS.gin_file),
   )
   return 0 if record["configured"]["fits"] else 1
 
 
 def _export_hf(experiment, target, workdir):
   del target
-  from lctx import train  # pylint: disable=g-import-not-at-top
+  from lctx import export  # pylint: disable=g-import-not-at-top
 
-  train.run(
-    "export_hf",
-    workdir,
+  export.run_export_hf(
     experiment,
+    workdir,
     export_dir=FLAGS.export_dir,
-    export_step=FLAGS.export_step,
-    export_dtype=FLAGS.export_dtype,
+    step=FLAGS.export_step,
+    dtype=FLAGS.export_dtype,
   )
   return 0
 

@@ -8,7 +8,7 @@ any backend starts:
   - fake host devices (`--fake_devices`, a gin file's `LOCAL_DEVICES`);
   - `--mode=compile` and `--mode=plan`: they run on the host CPU; compile asks
     libtpu or the CUDA plugin for compile-only devices, which loads that one
-    library (lctx/compile.py, lctx/compile_gpu.py);
+    library (lctx/sizing/tpu.py, lctx/sizing/gpu.py);
   - a machine where jax's own probe (PCI vendor ids, /dev/nvidia*) finds no TPU
     or GPU.
 TPU and GPU hosts keep jax's own choice, and a JAX_PLATFORMS the user set wins.

@@ -7,13 +7,10 @@
   eval            evaluate the latest checkpoint (held-out loss + retrieval),
                   or on a fresh workdir the `init_params_from` parameters;
   train_and_eval  train, then evaluate;
-  inspect_data    print packing statistics of the training stream;
-  compile         compile the train step for a TPU slice from any machine and
-                  report its memory (lctx/compile.py; returns the record);
-  plan            estimate per-device memory on named hardware and search for
-                  the smallest setup that fits (lctx/planner.py; no devices);
-  export_hf       write a checkpoint of the workdir as a Hugging Face directory
-                  (lctx/export.py; returns its record).
+  inspect_data    print packing statistics of the training stream.
+main.py dispatches the other modes to their own entry points: compile
+(lctx/sizing/tpu.py run_compile), plan (lctx/sizing/planner.py run_plan) and
+export_hf (lctx/export.py run_export_hf).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from lctx import metrics as metrics_lib
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
-MODES = ("train", "eval", "train_and_eval", "inspect_data", "compile", "plan", "export_hf")
+MODES = ("train", "eval", "train_and_eval", "inspect_data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,52 +319,12 @@ def _summary(results: dict[str, float], limit: int = 8) -> str:
   return ", ".join(f"{k}={results[k]:.2f}" for k in keys[:limit])
 
 
-def run(
-  mode: str,
-  workdir: str,
-  exp: Experiment,
-  *,
-  compile_topology: str | None = None,
-  compile_topology_num_slices: int = 1,
-  compile_step: str = "train",
-  plan_hardware: str | None = None,
-  plan_then_compile: bool = False,
-  plan_gin_files: tuple[str, ...] = (),
-  export_dir: str | None = None,
-  export_step: int | None = None,
-  export_dtype: str = "bfloat16",
-):
-  """Runs one experiment in `workdir` (created if missing); `compile` returns
-  its compile.json record, `plan` its plan.json record, `export_hf` its record."""
+def run(mode: str, workdir: str, exp: Experiment):
+  """Runs one experiment in `workdir` (created if missing): train, evaluate or
+  both (MODES), or print the training stream's packing statistics."""
   if mode not in MODES:
     raise ValueError(f"--mode={mode!r} is not one of {MODES}.")
   os.makedirs(workdir, exist_ok=True)
-  if mode == "compile":
-    from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
-
-    return compile_lib.run_compile(
-      exp,
-      workdir,
-      topology=compile_topology,
-      num_slices=compile_topology_num_slices,
-      step=compile_step,
-    )
-  if mode == "plan":
-    from lctx import planner  # pylint: disable=g-import-not-at-top
-
-    return planner.run_plan(
-      exp,
-      workdir,
-      hardware=plan_hardware,
-      plan_then_compile=plan_then_compile,
-      gin_files=plan_gin_files,
-    )
-  if mode == "export_hf":
-    from lctx import export  # pylint: disable=g-import-not-at-top
-
-    return export.run_export_hf(
-      exp, workdir, export_dir=export_dir, step=export_step, dtype=export_dtype
-    )
   mesh = mesh_lib.make_mesh(exp.mesh)
   logging.info(
     "Mesh %s on %d devices (%s).",

@@ -41,17 +41,7 @@ SCORE_CHUNK_TOKENS = 2048
 
 def context_plan(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig) -> parallel.ContextPlan:
   """The run's ContextPlan (lctx/parallel/plan.py) from the train and model configs."""
-  n, k, h, v = model_cfg.attention_head_dims
-  act_bytes = 2 if model_cfg.dtype == "bfloat16" else 4
-  dims = parallel.AttentionDims(
-    num_q_heads=n,
-    num_kv_heads=k,
-    head_dim=h,
-    v_head_dim=v,
-    bytes_per_element=act_bytes,
-    # Residual stream + MLP hidden per token, saved across one layer.
-    activation_bytes_per_token=act_bytes * (2 * model_cfg.d_model + model_cfg.mlp_dim),
-  )
+  dims = parallel.AttentionDims.of_model(model_cfg)
   return parallel.make_context_plan(
     mesh,
     dims,

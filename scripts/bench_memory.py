@@ -2,7 +2,7 @@ r"""Will Llama-3.1-8B fit? Per-device and per-host memory by strategy, length an
 
 For each TPU slice (`v5p:4x4x4`: 64 devices; `tpu7x:4x4x4`: 128 devices), each
 length (1M, 4M, 16M tokens) and each context strategy on a mesh it can take,
-the row holds the planner's estimate (lctx/parallel/memory_model.py) and, where
+the row holds the planner's estimate (lctx/sizing/memory_model.py) and, where
 compiled, the TPU compiler's figures (`--mode=compile` on compile-only devices:
 `python main.py --mode=compile ...` in a subprocess, one per cell). Writes
 bench_results/bench_memory.json and prints a table.
@@ -47,8 +47,9 @@ sys.path.insert(0, ROOT)
 
 import gin  # noqa: E402
 
-from lctx import compile as compile_lib  # noqa: E402
-from lctx import configs, gin_utils, hardware, planner  # noqa: E402
+from lctx import configs, gin_utils, hardware  # noqa: E402
+from lctx.sizing import devices, planner  # noqa: E402
+from lctx.sizing import tpu as compile_lib  # noqa: E402
 
 GiB = 2**30
 GIN_FILES = ("gin/runs/tpu_pg19.gin", "gin/models/llama3_8b.gin")
@@ -57,7 +58,7 @@ STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
 LENGTHS = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
 ULYSSES = 8  # Llama-3.1-8B's kv heads: the widest all-to-all the heads allow
 # The length records (issue 14): gin file -> the slice or node its header names
-# (GPU nodes compile on the CUDA plugin's compile-only devices, lctx/compile_gpu.py).
+# (GPU nodes compile on the CUDA plugin's compile-only devices, lctx/sizing/gpu.py).
 RECORDS = {
   "gin/long_v5p.gin": "v5p:4x4x4",
   "gin/long_ironwood.gin": "tpu7x:4x4x4",
@@ -268,8 +269,7 @@ def main(argv=None) -> None:
   ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench_memory.json"))
   ap.add_argument("--cache", default=os.path.join(ROOT, "bench_results", "bench_memory_cache.json"))
   args = ap.parse_args(argv)
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  devices.compile_only_env()
   only = {c.strip() for c in args.only.split(",") if c.strip()}
   cache = {}
   if os.path.exists(args.cache):

@@ -43,9 +43,10 @@ def main(_):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from lctx import compile as compile_lib  # pylint: disable=g-import-not-at-top
-  from lctx import configs, hardware, hlo_flops, metrics  # pylint: disable=g-import-not-at-top
+  from lctx import configs, hardware, metrics  # pylint: disable=g-import-not-at-top
   from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import hlo_flops  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import tpu as compile_lib  # pylint: disable=g-import-not-at-top
   from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
 
   gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param, [ROOT])

@@ -1,11 +1,11 @@
-r"""Fit the memory planner's coefficients (lctx/parallel/memory_model.py) to TPU compiles.
+r"""Fit the memory planner's coefficients (lctx/sizing/memory_model.py) to TPU compiles.
 
 The planner counts buffer shapes; how many of each XLA keeps live is a
 per-element coefficient (memory_model.COEFFICIENTS). This script compiles small
 Llama-shaped models (FIT_CASES: d_model 256-1024, head dim 32-128, 2-4 layers,
 16K-32K tokens; remat groups of 1 / 2 / 4, offloaded layer inputs, loss chunks
 of 256-4096 tokens per device) on compile-only `v5p:2x2x1` / `tpu7x:2x2x1`
-devices with `lctx.compile.compile_step`, for both attention kernels (blockwise
+devices with `lctx.sizing.tpu.compile_step`, for both attention kernels (blockwise
 and splash) and all four strategies, caches each compiled record in
 bench_results/fit_memory_model.json (keyed by the case; a case compiled from
 other sources is reported as stale and recompiled with --refresh), adds the
@@ -14,12 +14,12 @@ flagship gin files, as their headers state; FULL_SIZE_CHECK: gin/long_v5p.gin,
 reported, not fitted), and fits the coefficients by bounded least squares on
 the relative error (est / compiled - 1; Gauss-Newton rounds, since the offload
 term multiplies the attention ones; LOWER floors). It prints each case's
-compiled and fitted figures and the coefficient table (--write puts it into
-memory_model.COEFFICIENTS).
+compiled and fitted figures and the coefficient table (--write writes it to
+lctx/parallel/memory_coefficients.json, the memory model's data file).
 
   flock /tmp/lctx-heavy.lock timeout 1200 python scripts/fit_memory_model.py
   python scripts/fit_memory_model.py --no_compile   # fit to the cache only
-  python scripts/fit_memory_model.py --no_compile --write  # and put it in memory_model.py
+  python scripts/fit_memory_model.py --no_compile --write  # and write the data file
   python scripts/fit_memory_model.py --only=splash  # cases whose name has 'splash'
 
 Every small compile takes 10-60 s on 2 CPU cores and under 2 GiB.
@@ -37,17 +37,20 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+from lctx.sizing import devices  # noqa: E402
+
+devices.compile_only_env()
 
 import numpy as np  # noqa: E402
 
-from lctx import compile as compile_lib  # noqa: E402
 from lctx import data as data_lib  # noqa: E402
-from lctx import hardware, models, planner  # noqa: E402
+from lctx import hardware, models  # noqa: E402
 from lctx import train as train_lib  # noqa: E402
-from lctx.parallel import memory_model as mm  # noqa: E402
+from lctx.parallel import attention_memory  # noqa: E402
 from lctx.parallel.mesh import MeshConfig  # noqa: E402
+from lctx.sizing import memory_model as mm  # noqa: E402
+from lctx.sizing import planner  # noqa: E402
+from lctx.sizing import tpu as compile_lib  # noqa: E402
 from lctx.trainer import TrainConfig  # noqa: E402
 
 GiB = 2**30
@@ -56,7 +59,7 @@ CACHE = os.path.join(ROOT, "bench_results", "fit_memory_model.json")
 # The code that decides the compiled step (memory_model / planner excluded:
 # they do not change what compiles).
 # auto.py only picks strategies; the cases name theirs.
-CODE_EXCLUDE = ("lctx/parallel/memory_model.py", "lctx/parallel/auto.py")
+CODE_EXCLUDE = ("lctx/parallel/attention_memory.py", "lctx/parallel/auto.py")
 
 SMALL = dict(
   vocab_size=4096,
@@ -512,18 +515,18 @@ FITTED = (
 
 
 def write_coefficients(co: dict) -> None:
-  """Puts the fitted values (2 decimals) into memory_model.py's COEFFICIENTS."""
-  import re  # pylint: disable=g-import-not-at-top
-
-  path = os.path.join(ROOT, "lctx", "parallel", "memory_model.py")
+  """Writes the fitted values (2 decimals) to the memory model's data file
+  (lctx/parallel/memory_coefficients.json), keeping coefficients not fitted."""
+  path = attention_memory.COEFFICIENTS_FILE
   with open(path) as f:
-    text = f.read()
-  for name, value in co.items():
-    text, n = re.subn(rf'("{name}": )[0-9.]+,', rf"\g<1>{value:.2f},", text)
-    if n != 1:
-      raise ValueError(f"{name} appears {n} times in {path}")
+    current = json.load(f)
+  unknown = sorted(set(co) - set(current))
+  if unknown:
+    raise ValueError(f"{path} has no coefficients {unknown}")
+  current.update({name: round(float(value), 2) for name, value in co.items()})
   with open(path, "w") as f:
-    f.write(text)
+    json.dump(current, f, indent=2)
+    f.write("\n")
   print(f"wrote {path}")
 
 
@@ -533,7 +536,9 @@ def main(argv=None) -> None:
   ap.add_argument("--refresh", action="store_true", help="recompile cases of other sources")
   ap.add_argument("--only", default="", help="compile only cases whose name contains this")
   ap.add_argument("--no_full_size", action="store_true", help="leave FULL_SIZE out of the fit")
-  ap.add_argument("--write", action="store_true", help="put the fit into memory_model.py")
+  ap.add_argument(
+    "--write", action="store_true", help="write the fit to lctx/parallel/memory_coefficients.json"
+  )
   ap.add_argument("--ridge", type=float, default=0.02, help="pull towards PRIOR")
   args = ap.parse_args(argv)
 

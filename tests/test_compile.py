@@ -19,8 +19,9 @@ import tempfile
 import pytest
 
 # Read when libtpu loads (the first topology call), so before any test runs.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
+
+devices_lib.compile_only_env()
 
 import gin  # noqa: E402
 import jax  # noqa: E402
@@ -28,10 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from lctx import compile as compile_lib  # noqa: E402
 from lctx import configs, gin_utils, hardware, kernels  # noqa: E402
-from lctx import train as train_lib  # noqa: E402
 from lctx.parallel import mesh as mesh_lib  # noqa: E402
+from lctx.sizing import tpu as compile_lib  # noqa: E402
 from lctx.trainer import Trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,13 +124,13 @@ def _topology_of(path):
 
 @pytest.mark.parametrize("path", sorted(SMALL_SLICE))
 def test_tpu_gin_file_compiles_for_its_kind(path, tmp_path, capsys):
-  """Each TPU gin file through `--mode=compile` (train.run) on a small slice of
+  """Each TPU gin file through `--mode=compile` (run_compile) on a small slice of
   the kind its header names: its strategy and mesh axes, a tiny model in the
   gin file's dtypes; compile.json holds every key of the record."""
   topology, mesh_params = SMALL_SLICE[path]
   assert topology.split(":")[0] == _topology_of(path).split(":")[0]
   exp = _experiment(path, [*TINY, *mesh_params])
-  record = train_lib.run("compile", str(tmp_path), exp, compile_topology=topology)
+  record = compile_lib.run_compile(exp, str(tmp_path), topology=topology)
   with open(tmp_path / "compile.json") as f:
     saved = json.load(f)
   assert saved == json.loads(json.dumps(record))
@@ -307,8 +307,17 @@ def test_oom_figures_are_read_in_their_units():
 
 
 def test_attention_backend_is_read_from_the_compiled_module():
-  assert compile_lib.attention_backend_of(
-    '%splash_mha_fwd.1 = custom_call_target="tpu_custom_call"'
+  assert (
+    compile_lib.attention_backend_of('%splash_mha_fwd.1 = custom_call_target="tpu_custom_call"')
+    == "splash"
+  )
+  # The name alone, without a Mosaic call: splash run by the Pallas interpreter.
+  assert compile_lib.attention_backend_of("%splash_mha_fwd.1 = f32[] add()") == "splash_interpret"
+  assert (
+    compile_lib.attention_backend_of(
+      'custom_call_target="__cudnn$fmhaSoftmax" custom_call_target="lctx_cpu_attention_fwd"'
+    )
+    == "cudnn+cpu"
   )
   assert (
     compile_lib.attention_backend_of(
@@ -364,12 +373,13 @@ def test_auto_never_takes_the_cpu_kernel_on_a_tpu_mesh():
 def test_auto_strategy_is_sized_with_the_kernel_of_the_mesh(monkeypatch):
   """`auto` sizes its candidates with the buffers of the kernel the mesh runs:
   splash on TPU devices, blockwise on CPU ones (the planner counts the same)."""
+  from lctx.parallel import auto  # pylint: disable=g-import-not-at-top
   from lctx.parallel import plan as plan_lib  # pylint: disable=g-import-not-at-top
 
   seen = []
-  choose = plan_lib.choose_strategy
+  choose = auto.choose_strategy
   monkeypatch.setattr(
-    plan_lib, "choose_strategy", lambda **kw: seen.append(kw["kernel"]) or choose(**kw)
+    auto, "choose_strategy", lambda **kw: seen.append(kw["kernel"]) or choose(**kw)
   )
   dims = plan_lib.AttentionDims(num_q_heads=8, num_kv_heads=8, head_dim=128, v_head_dim=128)
   cfg = mesh_lib.MeshConfig(context=4)
@@ -397,16 +407,16 @@ def test_slices_are_data_parallel_over_dcn():
 
 
 def test_without_libtpu_it_says_how_to_install_it(monkeypatch):
-  real = compile_lib.importlib.util.find_spec
+  real = devices_lib.importlib.util.find_spec
   monkeypatch.setattr(
-    compile_lib.importlib.util, "find_spec", lambda n: None if n == "libtpu" else real(n)
+    devices_lib.importlib.util, "find_spec", lambda n: None if n == "libtpu" else real(n)
   )
   with pytest.raises(RuntimeError, match=re.escape("pip install -e '.[tpu]'")):
     compile_lib.topology_devices("v5p:2x2x1")
 
 
 def test_without_the_cuda_plugin_it_says_how_to_install_it(monkeypatch):
-  from lctx import compile_gpu  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import gpu as compile_gpu  # pylint: disable=g-import-not-at-top
 
   real = compile_gpu.importlib.util.find_spec
   monkeypatch.setattr(

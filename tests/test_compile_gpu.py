@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from lctx import compile_gpu  # noqa: E402
+from lctx.sizing import gpu as compile_gpu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,10 +94,10 @@ def _experiment(params):
 
 
 def test_compile_mode_on_a_gpu_node(tmp_path, capsys):
-  from lctx import train as train_lib  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import tpu  # pylint: disable=g-import-not-at-top
 
   exp = _experiment([*_TINY, "TrainConfig.seq_len = 16384"])
-  record = train_lib.run("compile", str(tmp_path), exp, compile_topology="h100x8")
+  record = tpu.run_compile(exp, str(tmp_path), topology="h100x8")
   saved = json.loads((tmp_path / "compile.json").read_text())
   assert saved["fits"] is True and saved["devices"] == 8 and saved["devices_per_chip"] == 1
   assert saved["device_kind"] == "NVIDIA H100 80GB HBM3" and saved["strategy"] == "ulysses"

@@ -325,7 +325,9 @@ def test_export_mode_writes_a_checkpoint_transformers_runs(tmp_path):
     checkpointer.save(step, state, {}, train_lib._meta(exp), wait=True)
   checkpointer.close()
   with pytest.raises(ValueError, match=r"--export_step=5: .* has steps \[3, 7\]"):
-    train_lib.run("export_hf", workdir, exp, export_dir=str(tmp_path / "x"), export_step=5)
+    from lctx import export  # pylint: disable=g-import-not-at-top
+
+    export.run_export_hf(exp, workdir, export_dir=str(tmp_path / "x"), step=5)
   ids, positions = _inputs(3)
   ids = ids % model.vocab_size
   for step, kwargs in ((7, {}), (3, {"export_step": 3})):

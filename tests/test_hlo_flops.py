@@ -1,4 +1,4 @@
-"""Matmul FLOPs from optimised HLO (lctx/hlo_flops.py), against programs whose count is known.
+"""Matmul FLOPs from optimised HLO (lctx/sizing/hlo_flops.py), against programs whose count is known.
 
 Small programs are compiled by the real TPU compiler on libtpu's compile-only
 devices ('v5p:2x2x1'), so the HLO read is what the TPU compiler emits (dots
@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 
 # Read when libtpu loads (the first topology call), so before any test runs.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
+
+devices_lib.compile_only_env()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from lctx import compile as compile_lib  # noqa: E402
-from lctx import hlo_flops  # noqa: E402
+from lctx.sizing import hlo_flops  # noqa: E402
+from lctx.sizing import tpu as compile_lib  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_compile import SMALL_SLICE, TINY, _experiment  # noqa: E402

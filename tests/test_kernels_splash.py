@@ -17,8 +17,9 @@ import logging
 import os
 
 # Read when libtpu loads (the first topology call), so before any test runs.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
+
+devices_lib.compile_only_env()
 
 import gin  # noqa: E402
 import jax  # noqa: E402
@@ -26,13 +27,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from lctx import compile as compile_lib  # noqa: E402
 from lctx import configs, gin_utils, models  # noqa: E402
 from lctx.kernels import flash, reference_attention, splash  # noqa: E402
 from lctx.parallel import mesh as mesh_lib  # noqa: E402
 from lctx.parallel.context import context_attention, make_attention_fn  # noqa: E402
 from lctx.parallel.local import local_attention_fn  # noqa: E402
 from lctx.parallel.zigzag import zigzag_reorder  # noqa: E402
+from lctx.sizing import tpu as compile_lib  # noqa: E402
 from lctx.trainer import TrainConfig, Trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

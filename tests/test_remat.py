@@ -7,13 +7,13 @@ falls, a group of k layers offloads 1/k of the inputs).
 """
 
 import dataclasses
-import os
 
 import pytest
 
 # Read when libtpu loads (the first topology call), so before any test runs.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
+
+devices_lib.compile_only_env()
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -184,8 +184,8 @@ TOKENS_PER_DEVICE = 1024
 def _tpu_memory(
   policy, group=1, custom=(), config=TPU, seq_len=TOKENS_PER_DEVICE, compile_step=True
 ):
-  from lctx import compile as compile_lib
   from lctx.parallel import mesh as mesh_lib
+  from lctx.sizing import tpu as compile_lib
   from lctx.trainer import TrainConfig, Trainer
 
   try:
@@ -282,8 +282,8 @@ def test_tpu_qkv_offload_and_group_device_temp():
 # ----------------------------------------------------------------------------
 def test_tpu_state_offload_moves_arguments_to_host():
   small = dataclasses.replace(TPU, num_layers=2, d_model=128, remat_policy="full")
-  from lctx import compile as compile_lib
   from lctx.parallel import mesh as mesh_lib
+  from lctx.sizing import tpu as compile_lib
   from lctx.trainer import TrainConfig, Trainer
 
   try:

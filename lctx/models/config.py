@@ -36,15 +36,17 @@ REMAT_TAGS = (
 )
 REMAT_CHOICES = ("device", "offload", "remat")
 _QKV = ("query_proj", "key_proj", "value_proj")
-_DOTS = _QKV + ("out_proj", "mlp_gate", "mlp_up", "mlp_out")
+# The tags that are matmul outputs: what the JAX dot policies (`dots`,
+# `dots_no_batch`) save.
+DOT_TAGS = _QKV + ("out_proj", "mlp_gate", "mlp_up", "mlp_out")
 # Presets expressed as per-tag choices; a tag not listed is recomputed ('remat').
 # The layer input is always kept on the device unless a choice says otherwise
 # (it is what a rematerialised layer restarts from).
 REMAT_PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
   "full": (),
-  "minimal": tuple((t, "device") for t in _DOTS),
-  "minimal_offloaded": tuple((t, "offload") for t in _DOTS),
-  "save_dots": tuple((t, "device") for t in _DOTS + ("attention_out", "mlp_hidden")),
+  "minimal": tuple((t, "device") for t in DOT_TAGS),
+  "minimal_offloaded": tuple((t, "offload") for t in DOT_TAGS),
+  "save_dots": tuple((t, "device") for t in DOT_TAGS + ("attention_out", "mlp_hidden")),
   "save_qkv_proj": tuple((t, "device") for t in _QKV),
   "qkv_proj_offloaded": tuple((t, "offload") for t in _QKV),
   "save_attention_out": (("attention_out", "device"),),

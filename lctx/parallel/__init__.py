@@ -3,9 +3,11 @@
 Where things are: the strategy decision for a run (strategy, load balance, ring
 size, device order, kernel platform) is `plan.py`'s `ContextPlan`; the zigzag
 reorder is `zigzag.py`; the rules each strategy enforces are `validation.py`;
-`auto`'s choice is `auto.py`; the strategies themselves are `all_gather.py`,
-`ulysses.py` (ulysses and usp) and `ring.py`, dispatched over the mesh by
-`context.py` (`context_attention`, `make_attention_fn`).
+the strategy is decided in `auto.py` (`decide_strategy`, `auto`'s choice
+included; the attention buffers it sizes with are `attention_memory.py`); the
+strategies themselves are `all_gather.py`, `ulysses.py` (ulysses and usp) and
+`ring.py`, dispatched over the mesh by `context.py` (`context_attention`,
+`make_attention_fn`).
 """
 
 from lctx.parallel.context import (

@@ -1,23 +1,33 @@
-"""`auto`: pick the cheapest valid strategy whose per-device memory fits.
+"""The strategy decision: `decide_strategy`, and `auto`'s choice inside it.
+
+`decide_strategy` is a pure function of the mesh shape, the platform, the
+attention dims and the train options; the run's ContextPlan
+(lctx/parallel/plan.py), `context_attention` and `--mode=plan`
+(lctx/sizing/planner.py) all call it, so the planner predicts the strategy the
+run takes.
 
 REFERENCE.md section 2: all_gather while the gathered K/V fit; ulysses while the
 heads divide (not for MLA, not MQA); usp when the mesh has a ulysses axis; ring
-otherwise. Memory comes from the planner's model (lctx/parallel/memory_model.py):
-the strategy's attention buffers while one layer runs backward, for the kernel
-the step runs (`kernel`: memory_model.KERNELS, resolved from
-TrainConfig.attention_backend and the mesh's platform by
-memory_model.resolve_kernel; splash on TPU meshes), plus an optional
-caller-given activation cost per local token. `--mode=plan` uses the same model
-for the whole step.
+otherwise. Memory comes from lctx/parallel/attention_memory.py (the buffers
+the whole-step memory model of lctx/sizing counts too): the strategy's
+attention buffers while one layer runs backward, for the kernel the step runs
+(`kernel`: attention_memory.KERNELS, resolved from TrainConfig.attention_backend
+and the mesh's platform by attention_memory.resolve_kernel; splash on TPU
+meshes), plus an optional caller-given activation cost per local token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+from collections.abc import Mapping
 
 from lctx.errors import ConfigError
-from lctx.parallel import memory_model
+from lctx.parallel import attention_memory
+from lctx.parallel.mesh import BATCH_AXES
 from lctx.parallel.validation import (
+  STRATEGIES,
   context_degrees,
   default_load_balance,
   validate_context_parallel,
@@ -25,8 +35,85 @@ from lctx.parallel.validation import (
 
 log = logging.getLogger(__name__)
 
-# Cost order: least communication first.
-_ORDER = ("all_gather", "ulysses", "usp", "ring")
+
+@dataclasses.dataclass(frozen=True)
+class AttentionDims:
+  """The attention shapes a strategy decision needs, as the kernels see them.
+
+  Attributes:
+    num_q_heads: N.
+    num_kv_heads: K (MLA: N; its K/V are per head).
+    head_dim: H, the q/k head dim (MLA: nope + rope).
+    v_head_dim: V (equal to H except for MLA).
+    bytes_per_element: activation bytes (2 for bf16, 4 for f32).
+    activation_bytes_per_token: bytes per local token saved across a layer
+      besides attention (residual stream + MLP hidden), for `auto`'s estimate.
+  """
+
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  v_head_dim: int
+  bytes_per_element: int = 2
+  activation_bytes_per_token: int = 0
+
+  @classmethod
+  def of_model(cls, model) -> AttentionDims:
+    """The dims of a lctx.models.ModelConfig (read by attribute: parallel does
+    not import models)."""
+    n, k, h, v = model.attention_head_dims
+    act_bytes = 2 if model.dtype == "bfloat16" else 4
+    return cls(
+      num_q_heads=n,
+      num_kv_heads=k,
+      head_dim=h,
+      v_head_dim=v,
+      bytes_per_element=act_bytes,
+      # Residual stream + MLP hidden per token, saved across one layer.
+      activation_bytes_per_token=act_bytes * (2 * model.d_model + model.mlp_dim),
+    )
+
+
+def decide_strategy(
+  strategy: str,
+  *,
+  mesh_shape: Mapping[str, int],
+  platform: str,
+  dims: AttentionDims,
+  seq_len: int,
+  batch_size: int,
+  load_balance: bool | None = None,
+  attention_backend: str = "auto",
+  memory_budget_bytes: int | None = None,
+) -> tuple[str, str]:
+  """(strategy, reason) a run takes for TrainConfig.context_parallel_strategy.
+
+  'auto' on a mesh without context axes is 'none'; 'auto' otherwise is
+  choose_strategy's pick, sized with the buffers of the kernel the mesh's
+  platform runs for `attention_backend` ('auto' is splash on TPU); any other
+  name is taken as configured (validated by the caller). batch_size is the
+  global batch; memory_budget_bytes: None = choose_strategy's default.
+  """
+  c, u = context_degrees(mesh_shape)
+  if strategy != "auto":
+    return strategy, "configured"
+  if c * u == 1:
+    return "none", "context degree 1: no context parallelism"
+  batch_ways = math.prod(int(mesh_shape.get(a, 1)) for a in BATCH_AXES)
+  return choose_strategy(
+    mesh_shape=dict(mesh_shape),
+    num_q_heads=dims.num_q_heads,
+    num_kv_heads=dims.num_kv_heads,
+    seq_len=seq_len,
+    head_dim=dims.head_dim,
+    v_head_dim=dims.v_head_dim if dims.v_head_dim != dims.head_dim else None,
+    batch_per_device=max(1, batch_size // batch_ways),
+    bytes_per_element=dims.bytes_per_element,
+    memory_budget_bytes=memory_budget_bytes,
+    activation_bytes_per_token=dims.activation_bytes_per_token,
+    load_balance=load_balance,
+    kernel=attention_memory.resolve_kernel(attention_backend, platform),
+  )
 
 
 def estimate_attention_bytes(
@@ -45,40 +132,33 @@ def estimate_attention_bytes(
   block_kv: int = 512,
   kernel: str = "blockwise",
 ) -> int:
-  """Per-device bytes of one attention layer's buffers (memory_model's
-  attention_buffer_bytes for `kernel`), plus activation_bytes_per_token per
+  """Per-device bytes of one attention layer's buffers
+  (attention_memory.attention_buffer_bytes for `kernel`), plus activation_bytes_per_token per
   local token."""
   c, u = context_degrees(mesh_shape)
-  dims = memory_model.ModelDims(
-    vocab_size=0,
-    d_model=0,
-    num_layers=0,
+  dims = attention_memory.HeadDims(
     num_heads=num_q_heads,
     num_kv_heads=num_kv_heads,
     head_dim=head_dim,
     v_head_dim=head_dim if v_head_dim is None else v_head_dim,
-    mlp_dim=0,
-    layer_params=0,
-    embedding_params=0,
   )
-  setup = memory_model.Setup(
+  setup = attention_memory.AttentionSetup(
     strategy=strategy,
     mesh=dict(mesh_shape),
-    batch_size=batch_per_device,
     seq_len=seq_len,
     dtype_bytes=bytes_per_element,
     block_q=block_q,
     block_kv=block_kv,
     kernel=kernel,
   )
-  if strategy not in memory_model.STRATEGIES:
+  if strategy not in attention_memory.STRATEGIES:
     raise ConfigError(f"[unknown-strategy] {strategy!r}")
-  if kernel not in memory_model.KERNELS:
+  if kernel not in attention_memory.KERNELS:
     raise ConfigError(
-      f"[unknown-kernel] attention kernel {kernel!r}; known: {memory_model.KERNELS} "
-      "(memory_model.resolve_kernel maps attention_backend to one)"
+      f"[unknown-kernel] attention kernel {kernel!r}; known: {attention_memory.KERNELS} "
+      "(attention_memory.resolve_kernel maps attention_backend to one)"
     )
-  attention = memory_model.attention_buffer_bytes(dims, setup, rows=batch_per_device)
+  attention = attention_memory.attention_buffer_bytes(dims, setup, rows=batch_per_device)
   t_local = seq_len // (c * u)
   return int(attention + batch_per_device * t_local * activation_bytes_per_token)
 
@@ -103,15 +183,15 @@ def choose_strategy(
   memory_budget_bytes: per-device bytes available to attention; None = 4 GiB.
   load_balance: None checks each candidate with its default (on for causal
     ring/usp, off otherwise).
-  kernel: the attention kernel the step runs (memory_model.KERNELS), e.g.
-    `memory_model.resolve_kernel(attention_backend, platform)`: 'splash' on
+  kernel: the attention kernel the step runs (attention_memory.KERNELS), e.g.
+    `attention_memory.resolve_kernel(attention_backend, platform)`: 'splash' on
     TPU meshes for 'auto'. Candidates are sized with its buffers.
   Raises ValueError listing every candidate's rejection if none is valid.
   """
   budget = 4 * 2**30 if memory_budget_bytes is None else int(memory_budget_bytes)
   mla = v_head_dim is not None and v_head_dim != head_dim
   rejected, valid = [], []
-  for s in _ORDER:
+  for s in STRATEGIES:
     if mla and s in ("ulysses", "usp"):
       rejected.append(f"{s}: MLA heads go to ring")
       continue

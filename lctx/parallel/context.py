@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from lctx.errors import ConfigError
 from lctx.kernels.options import AttentionOptions, options_from
 from lctx.parallel.all_gather import all_gather_attention_local
-from lctx.parallel.auto import choose_strategy
+from lctx.parallel.auto import AttentionDims, choose_strategy, decide_strategy
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
 from lctx.parallel.ring import ring_attention_local
 from lctx.parallel.ulysses import ulysses_attention_local, usp_attention_local
@@ -249,12 +249,16 @@ def context_attention(
   shape = mesh_shape(mesh)
   b, t, n, h = q.shape
   if strategy == "auto":
-    from lctx.parallel.plan import AttentionDims, make_context_plan  # plan imports this module
-
     dims = AttentionDims(n, k.shape[2], h, v.shape[3], bytes_per_element=q.dtype.itemsize)
-    strategy = make_context_plan(
-      mesh, dims, seq_len=t, batch_size=b, load_balance=load_balance
-    ).strategy
+    strategy, _ = decide_strategy(
+      "auto",
+      mesh_shape=shape,
+      platform=mesh.devices.flat[0].platform,
+      dims=dims,
+      seq_len=t,
+      batch_size=b,
+      load_balance=load_balance,
+    )
   validate_context_parallel(
     strategy=strategy,
     mesh_shape=shape,

@@ -1,6 +1,7 @@
 """The context plan: every decision about how one run splits its sequences.
 
-`make_context_plan` is where the strategy is chosen (`auto` included), where the
+`make_context_plan` is where the strategy is resolved (by auto.decide_strategy,
+the one strategy decision, `auto` included), where the
 load-balance default is applied, where the zigzag ring size is fixed and where
 the attention kernel's platform is read from the mesh. The trainer, the loop,
 the evals adapter (`logits_fn`), the benchmarks and the tests ask the
@@ -27,13 +28,12 @@ from jax.sharding import Mesh
 from lctx.errors import ConfigError
 from lctx.kernels import cpu_fused
 from lctx.kernels.options import AttentionOptions
-from lctx.parallel import memory_model
 from lctx.parallel import mesh as mesh_lib
-from lctx.parallel.auto import choose_strategy
+from lctx.parallel.auto import AttentionDims, decide_strategy
 from lctx.parallel.context import make_attention_fn
 from lctx.parallel.local import local_attention_fn
 from lctx.parallel.validation import (
-  STRATEGIES,
+  PLAN_STRATEGIES,
   default_load_balance,
   validate_context_parallel,
   zigzag_ring_size,
@@ -41,30 +41,6 @@ from lctx.parallel.validation import (
 from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
 
 log = logging.getLogger(__name__)
-
-PLAN_STRATEGIES = ("none", *STRATEGIES)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionDims:
-  """The attention shapes a plan needs, as the kernels see them.
-
-  Attributes:
-    num_q_heads: N.
-    num_kv_heads: K (MLA: N; its K/V are per head).
-    head_dim: H, the q/k head dim (MLA: nope + rope).
-    v_head_dim: V (equal to H except for MLA).
-    bytes_per_element: activation bytes (2 for bf16, 4 for f32).
-    activation_bytes_per_token: bytes per local token saved across a layer
-      besides attention (residual stream + MLP hidden), for `auto`'s estimate.
-  """
-
-  num_q_heads: int
-  num_kv_heads: int
-  head_dim: int
-  v_head_dim: int
-  bytes_per_element: int = 2
-  activation_bytes_per_token: int = 0
 
 
 # The plan's name for the attention options (lctx/kernels/options.py): TrainConfig's
@@ -174,28 +150,18 @@ def make_context_plan(
     )
   shape = mesh_lib.mesh_shape(mesh)
   degree = shape.get("context", 1) * shape.get("context_ulysses", 1)
-  reason = "configured"
   platform = mesh_platform(mesh)
-  if strategy == "auto" and degree == 1:
-    strategy, reason = "none", "context degree 1: no context parallelism"
-  elif strategy == "auto":
-    batch_ways, _ = mesh_lib.batch_shard_counts(mesh)
-    strategy, reason = choose_strategy(
-      mesh_shape=shape,
-      num_q_heads=dims.num_q_heads,
-      num_kv_heads=dims.num_kv_heads,
-      seq_len=seq_len,
-      head_dim=dims.head_dim,
-      v_head_dim=dims.v_head_dim if dims.v_head_dim != dims.head_dim else None,
-      batch_per_device=max(1, batch_size // batch_ways),
-      bytes_per_element=dims.bytes_per_element,
-      memory_budget_bytes=memory_budget_bytes,
-      activation_bytes_per_token=dims.activation_bytes_per_token,
-      load_balance=load_balance,
-      # Sized with the buffers of the kernel this mesh will run ('auto' is
-      # splash on TPU), as the planner does.
-      kernel=memory_model.resolve_kernel(kernel.backend, platform),
-    )
+  strategy, reason = decide_strategy(
+    strategy,
+    mesh_shape=shape,
+    platform=platform,
+    dims=dims,
+    seq_len=seq_len,
+    batch_size=batch_size,
+    load_balance=load_balance,
+    attention_backend=kernel.backend,
+    memory_budget_bytes=memory_budget_bytes,
+  )
   if load_balance is None:
     load_balance = default_load_balance(strategy)
   if strategy == "none":

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from lctx.errors import ConfigError
 
-STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
+# The context-parallel strategies, in cost order (least communication first):
+# `auto` tries them in this order and `--mode=plan` searches them so.
+STRATEGIES = ("all_gather", "ulysses", "usp", "ring")
+# What a run's ContextPlan may hold: 'none' is no context parallelism.
+PLAN_STRATEGIES = ("none", *STRATEGIES)
 # Strategies that only use the `context` axis (the a2a/ring over the second axis is usp's).
 _SINGLE_AXIS = ("ulysses", "ring")
 

@@ -1,0 +1,164 @@
+"""Per-device bytes of one attention layer's buffers, by strategy and kernel.
+
+One definition for both users: strategy `auto` (lctx/parallel/auto.py) sizes its
+candidates with it, and the whole-step memory model (lctx/sizing/memory_model.py)
+adds it to the rest of the step. The per-element coefficients are fitted to TPU
+compiles by scripts/fit_memory_model.py, which writes them, with the memory
+model's other coefficients, to memory_coefficients.json beside this file.
+
+`dims` is anything with num_heads, num_kv_heads, head_dim and v_head_dim
+(HeadDims, or the memory model's ModelDims); `setup` anything with strategy,
+seq_len, kernel, dtype_bytes, block_q, block_kv, head_chunks and axis(name)
+(AttentionSetup, or the memory model's Setup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Mapping
+
+from lctx.parallel.validation import PLAN_STRATEGIES
+
+# The memory model counts 'none' (no context parallelism) like all_gather.
+STRATEGIES = PLAN_STRATEGIES
+KERNELS = ("blockwise", "splash")
+F32 = 4
+COEFFICIENTS_FILE = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), "memory_coefficients.json"
+)
+
+
+@functools.cache
+def _load_coefficients() -> dict[str, float]:
+  with open(COEFFICIENTS_FILE) as f:
+    return {k: float(v) for k, v in json.load(f).items()}
+
+
+def fitted_coefficients(overrides: Mapping[str, float] | None = None) -> dict[str, float]:
+  """The fitted coefficients (memory_coefficients.json), with `overrides` on top."""
+  return {**_load_coefficients(), **(overrides or {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDims:
+  """Attention heads as the kernels see them: N, K (MLA: N), H (q/k), V."""
+
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  v_head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSetup:
+  """What the attention buffers depend on besides the heads (see memory_model.Setup)."""
+
+  strategy: str
+  mesh: Mapping[str, int]
+  seq_len: int
+  dtype_bytes: int = 2
+  block_q: int = 512
+  block_kv: int = 512
+  kernel: str = "blockwise"
+  head_chunks: int | None = None
+
+  def axis(self, name: str) -> int:
+    return int(self.mesh.get(name, 1))
+
+
+def resolve_kernel(backend: str, platform: str) -> str:
+  """The kernel (KERNELS) the memory model counts for TrainConfig.attention_backend
+  on a platform ('tpu', 'gpu', 'cpu'), as lctx/kernels/flash.py resolves 'auto':
+  splash on TPU, blockwise elsewhere. The kernels without a model of their own
+  (cudnn, xla, cpu, reference) are counted as blockwise: an approximation."""
+  if backend == "splash" or (backend == "auto" and platform == "tpu"):
+    return "splash"
+  return "blockwise"
+
+
+def lanes(width: int) -> int:
+  """Width of a minor dimension in TPU memory: tiles are 128 lanes wide, so a
+  head dim of 32 takes the room of 128 (XLA's layout for [..., H] arrays)."""
+  return -(-int(width) // 128) * 128
+
+
+def attention_buffer_bytes(
+  dims: HeadDims,
+  setup: AttentionSetup,
+  rows: int = 1,
+  coefficients: Mapping[str, float] | None = None,
+) -> float:
+  """Per-device bytes attention holds while one layer runs backward, by strategy."""
+  co = fitted_coefficients(coefficients)
+  tp = setup.axis("tensor")
+  c, u = setup.axis("context"), setup.axis("context_ulysses")
+  n = dims.num_heads / tp
+  k = dims.num_kv_heads / tp if dims.num_kv_heads % tp == 0 else dims.num_kv_heads
+  hv_lanes = lanes(dims.head_dim) + lanes(dims.v_head_dim)  # [..., H] arrays, lane-padded
+  seq = setup.seq_len
+  t = seq / (c * u)  # local tokens
+  qf, kf = head_chunk_fractions(dims, setup)
+  n, k = n * qf, k * kf  # one UPipe stage's heads live at a time
+  if setup.kernel == "splash":
+    return rows * _splash_bytes(dims, setup, co, n, k, t) * setup.dtype_bytes / 2
+  if setup.strategy in ("none", "all_gather"):
+    # The whole sequence's K/V, and the local queries' q/out/dout/dq.
+    # The blockwise kernel's gathered K/V blocks are laid out unpadded (the
+    # head-dim 32 compiles fit the unpadded count far better).
+    per = seq * k * (dims.head_dim + dims.v_head_dim) * co["all_gather_bytes_per_kv_elem"]
+    per += t * n * hv_lanes * co["ulysses_bytes_per_elem"]
+    heads_in_kernel = n
+  elif setup.strategy == "ulysses":
+    # After the all-to-all: N/P heads of the whole sequence, the same bytes
+    # as the local shard of all heads.
+    per = t * (n + k) * hv_lanes * co["ulysses_bytes_per_elem"]
+    heads_in_kernel = n / c
+  else:
+    # ring / usp (after usp's all-to-all, a ring group's chunk of N/u heads:
+    # again the same bytes as the local shard).
+    per = t * hv_lanes * (n * co["ring_bytes_per_q_elem"] + k * co["ring_bytes_per_kv_elem"])
+    if setup.strategy == "usp":
+      per += t * (n + k) * hv_lanes * co["usp_a2a_bytes_per_elem"]
+    heads_in_kernel = n / u
+  blocks = co["kernel_block_copies"] * heads_in_kernel * setup.block_q * setup.block_kv * F32
+  return rows * per * setup.dtype_bytes / 2 + blocks
+
+
+def head_chunk_fractions(dims: HeadDims, setup: AttentionSetup) -> tuple[float, float]:
+  """(q, kv) fractions of the heads whose attention buffers one UPipe stage holds
+  (TrainConfig.ulysses_head_chunks, lctx/parallel/upipe.py): the stages run in
+  a scan, so buffers are one stage's; K/V go once per GQA group of stages.
+  (1, 1) without head chunks or for other strategies. A shape count, not fitted
+  to compiles: the stage bookkeeping (slices, the output buffer) is not counted."""
+  stages = setup.head_chunks or 1
+  if stages <= 1 or setup.strategy not in ("ulysses", "usp"):
+    return 1.0, 1.0
+  degree = setup.axis("context_ulysses") if setup.strategy == "usp" else setup.axis("context")
+  tp = setup.axis("tensor")
+  q_dev = dims.num_heads / (tp * degree)  # q heads per device after the all-to-all
+  kv_dev = max(dims.num_kv_heads / (tp * degree), 1.0)
+  u, g = q_dev / stages, dims.num_heads / dims.num_kv_heads
+  w = u / g if u >= g else 1.0  # kv heads per stage
+  return 1.0 / stages, min(1.0, w / kv_dev)
+
+
+def _splash_bytes(dims: HeadDims, setup: AttentionSetup, co, n: float, k: float, t: float) -> float:
+  """Attention's per-row bytes with the splash kernel (no HBM score tiles)."""
+  hv_lanes = lanes(dims.head_dim) + lanes(dims.v_head_dim)
+  if setup.strategy in ("none", "all_gather"):
+    per = setup.seq_len * k * hv_lanes * co["splash_all_gather_bytes_per_kv_elem"]
+    return per + t * n * hv_lanes * co["splash_q_bytes_per_elem"]
+  if setup.strategy == "ulysses":
+    per = t * (n + k) * hv_lanes * co["splash_ulysses_bytes_per_elem"]
+    return per + t * n * hv_lanes * co["splash_q_bytes_per_elem"]
+  per = (
+    t
+    * hv_lanes
+    * (n * co["splash_ring_bytes_per_q_elem"] + k * co["splash_ring_bytes_per_kv_elem"])
+  )
+  if setup.strategy == "usp":
+    per += t * (n + k) * hv_lanes * co["splash_usp_a2a_bytes_per_elem"]
+  return per

@@ -31,7 +31,10 @@ LOCAL = {
   "gin/bench/maxtext_cpu_peer.gin",
   "gin/local_cpu_retrieval.gin",
   "gin/local_cpu_retrieval_windowed.gin",
+  "gin/local_cpu_extension.gin",
 }
+# Stage files and the file whose checkpoint they start from (BASE_WORKDIR).
+STAGE_BASES = {"gin/local_cpu_extension.gin": "gin/local_cpu_retrieval.gin"}
 # Mesh shrunk to 8 devices, keeping every axis the strategy uses above 1.
 SHRUNK_MESH = {
   "gin/usp_ironwood.gin": [
@@ -118,8 +121,7 @@ def test_hardware_config_lowers_one_step(path):
     assert f"stablehlo.{op}" not in text, (trainer.strategy, op)
 
 
-@pytest.mark.parametrize("path", sorted(p for p in EXPERIMENTS if p in LOCAL))
-def test_local_config_trains_one_step(path, tmp_path):
+def _train_one_step(path, workdir, params=()):
   exp = _build(
     path,
     [
@@ -128,12 +130,25 @@ def test_local_config_trains_one_step(path, tmp_path):
       "TrainConfig.checkpoint_every = 0",
       "TrainConfig.eval_every = 0",
       "TrainConfig.retrieval_eval_every = 0",
+      *params,
     ],
   )
   exp = train_lib.Experiment(
     model=exp.model, data=exp.data, train=exp.train, mesh=exp.mesh, evals=None
   )
-  train_lib.run("train", str(tmp_path), exp)
+  train_lib.run("train", str(workdir), exp)
+  return exp
+
+
+@pytest.mark.parametrize("path", sorted(p for p in EXPERIMENTS if p in LOCAL))
+def test_local_config_trains_one_step(path, tmp_path):
+  params = []
+  if path in STAGE_BASES:
+    # The stage starts from a checkpoint of its base file: their parameters match.
+    _train_one_step(STAGE_BASES[path], tmp_path / "base")
+    params = [f"BASE_WORKDIR = '{tmp_path / 'base'}'"]
+    tmp_path = tmp_path / "stage"
+  exp = _train_one_step(path, tmp_path, params)
   with open(tmp_path / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
   train = [r for r in records if "loss" in r]

@@ -26,13 +26,20 @@ from collections.abc import Sequence
 
 from lctx.errors import ConfigError
 
+# XLA's CPU collectives end the process when one fake device waits 40 s for the
+# others at a rendezvous. Fake devices are threads of one process, so on an
+# oversubscribed CPU a late thread is slow, not hung: wait far longer.
+CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+CPU_COLLECTIVE_TIMEOUT_SECONDS = 1200
+
 
 def set_fake_devices(n: int | None) -> None:
   """`n` host CPU devices; read when jax starts its CPU backend."""
   if n and "jax" not in sys.modules:
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-    )
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    if CPU_COLLECTIVE_TIMEOUT_FLAG not in flags:
+      flags += f" {CPU_COLLECTIVE_TIMEOUT_FLAG}={CPU_COLLECTIVE_TIMEOUT_SECONDS}"
+    os.environ["XLA_FLAGS"] = flags
 
 
 def choose(cpu_only: bool) -> None:

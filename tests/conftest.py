@@ -3,7 +3,11 @@
 import os
 
 os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "")
+  + " --xla_force_host_platform_device_count=8"
+  # A loaded CI machine must not turn a slow fake device into a killed process
+  # (lctx/platforms.py, CPU_COLLECTIVE_TIMEOUT_FLAG).
+  + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

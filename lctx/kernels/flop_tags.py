@@ -15,7 +15,7 @@ name scopes that XLA keeps in every op's `metadata={op_name=...}`:
 - `lctx_trips=X`: a `while` loop inside runs X times on average (the blockwise
   kernel's live-block loops).
 
-lctx/hlo_flops.py reads them and multiplies them through the program's loop trip
+lctx/sizing/hlo_flops.py reads them and multiplies them through the program's loop trip
 counts like any matmul (so a layer scan, a ring loop or a rematerialised forward
 counts each call as often as it runs). The counts come from the kernel's own
 block map on the mask inputs known at trace time: causality, windows, block

@@ -324,17 +324,15 @@ def test_export_mode_writes_a_checkpoint_transformers_runs(tmp_path):
   for step, state in states.items():
     checkpointer.save(step, state, {}, train_lib._meta(exp), wait=True)
   checkpointer.close()
-  with pytest.raises(ValueError, match=r"--export_step=5: .* has steps \[3, 7\]"):
-    from lctx import export  # pylint: disable=g-import-not-at-top
+  from lctx import export  # pylint: disable=g-import-not-at-top
 
+  with pytest.raises(ValueError, match=r"--export_step=5: .* has steps \[3, 7\]"):
     export.run_export_hf(exp, workdir, export_dir=str(tmp_path / "x"), step=5)
   ids, positions = _inputs(3)
   ids = ids % model.vocab_size
-  for step, kwargs in ((7, {}), (3, {"export_step": 3})):
+  for step, kwargs in ((7, {}), (3, {"step": 3})):
     out = str(tmp_path / f"export{step}")
-    record = train_lib.run(
-      "export_hf", workdir, exp, export_dir=out, export_dtype="float32", **kwargs
-    )
+    record = export.run_export_hf(exp, workdir, export_dir=out, dtype="float32", **kwargs)
     assert record["step"] == step
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
       out, output_loading_info=True, attn_implementation="eager"

@@ -5,7 +5,10 @@ the tests and examples (no download: the Python standard library and pydoc_data)
 
 Four domains, one per reader kind:
   code/*.jsonl.gz   'content': one row per stdlib package (a "repository": its
-                    .py files joined, each under a '# file: <path>' line); long.
+                    .py files joined, each under a '# file: <path>' line); long:
+                    packages under MIN_REPOSITORY_CHARS (__phello__, a 253-byte
+                    demo, on CPython 3.11) are left out, so every repository is
+                    longer than a training window on every interpreter.
   books/*.txt       one file per "book": 30 pydoc help topics in a seeded order; long.
   arxiv/*.parquet   'text': one row per module, its docstrings (module, classes,
                     functions) as a "paper"; medium.
@@ -36,6 +39,9 @@ def _read(path: str) -> str:
     return f.read().decode("utf-8", "replace")
 
 
+MIN_REPOSITORY_CHARS = 16384
+
+
 def code_repositories(max_docs: int) -> list[str]:
   root = corpus.stdlib_dir()
   packages: dict[str, list[str]] = {}
@@ -44,10 +50,12 @@ def code_repositories(max_docs: int) -> list[str]:
     if os.sep in rel:
       packages.setdefault(rel.split(os.sep)[0], []).append(path)
   docs = []
-  for name in sorted(packages)[: max_docs or None]:
+  for name in sorted(packages):
     parts = [f"# file: {os.path.relpath(p, root)}\n{_read(p)}" for p in sorted(packages[name])]
-    docs.append("\n".join(parts))
-  return docs
+    doc = "\n".join(parts)
+    if len(doc) >= MIN_REPOSITORY_CHARS:
+      docs.append(doc)
+  return docs[: max_docs or None]
 
 
 def _topics() -> list[tuple[str, str]]:

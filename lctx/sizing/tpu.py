@@ -256,17 +256,26 @@ def collective_bytes(count: dict[str, Any], mesh) -> dict[str, Any]:
 
 
 def step_figures(
-  count: dict[str, Any], *, mesh, accel, model, train, peak_flops_per_device=None
+  count: dict[str, Any],
+  *,
+  mesh,
+  accel,
+  model,
+  train,
+  peak_flops_per_device=None,
+  training: bool = True,
 ) -> dict[str, Any]:
   """compile.json's FLOP, byte and step-time keys from an hlo_flops count.
 
   total = dense matmuls + attention (both with every recompute the program
-  does); model = the trainer's formula (ModelConfig.flops_per_token, 3 x forward,
-  no recompute); recompute_ratio = total / model. The step time is
+  does); model = the trainer's formula (ModelConfig.flops_per_token: 3 x forward
+  for a train step, the forward alone for the eval step, training=False; no
+  recompute); recompute_ratio = total / model. The step time is
   hardware.step_time's estimate (labelled as one)."""
   devices = mesh.devices.size
   tokens = train.batch_size * train.seq_len
-  model_flops = model.flops_per_token(train.seq_len, causal=True) * tokens / devices
+  per_token = model.flops_per_token(train.seq_len, causal=True, training=training)
+  model_flops = per_token * tokens / devices
   total = count["dense_flops"] + count["attention_flops"]
   out = {
     "dense_flops_per_device": count["dense_flops"],
@@ -413,7 +422,16 @@ def compile_step(exp, *, topology: str, num_slices: int = 1, step: str = "train"
   count = flops.pop("_count", None)
   record.update(flops)
   if count is not None:
-    record.update(step_figures(count, mesh=mesh, accel=accel, model=exp.model, train=exp.train))
+    record.update(
+      step_figures(
+        count,
+        mesh=mesh,
+        accel=accel,
+        model=exp.model,
+        train=exp.train,
+        training=step == "train",
+      )
+    )
   hbm_ok = per_device["total_bytes"] <= hbm
   host_ok = record["host_bytes_per_vm"] <= accel.host_ram_bytes_per_host
   record["fits"] = hbm_ok and host_ok

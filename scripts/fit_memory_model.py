@@ -9,9 +9,9 @@ devices with `lctx.sizing.tpu.compile_step`, for both attention kernels (blockwi
 and splash) and all four strategies, caches each compiled record in
 bench_results/fit_memory_model.json (keyed by the case; a case compiled from
 other sources is reported as stale and recompiled with --refresh), adds the
-full-size Llama-3.1-8B figures measured with `--mode=compile` (FULL_SIZE: the
-flagship gin files, as their headers state; FULL_SIZE_CHECK: gin/long_v5p.gin,
-reported, not fitted), and fits the coefficients by bounded least squares on
+full-size Llama-3.1-8B figures measured with `--mode=compile`
+(lctx/sizing/full_size_compiles.json: the flagship gin files, fitted, and
+gin/long_v5p.gin, reported, not fitted; `--record=WORKDIR` adds a compile.json), and fits the coefficients by bounded least squares on
 the relative error (est / compiled - 1; Gauss-Newton rounds, since the offload
 term multiplies the attention ones; LOWER floors). It prints each case's
 compiled and fitted figures and the coefficient table (--write writes it to
@@ -21,6 +21,8 @@ lctx/parallel/memory_coefficients.json, the memory model's data file).
   python scripts/fit_memory_model.py --no_compile   # fit to the cache only
   python scripts/fit_memory_model.py --no_compile --write  # and write the data file
   python scripts/fit_memory_model.py --only=splash  # cases whose name has 'splash'
+  python main.py --mode=compile --gin_file=gin/ring_v5p.gin --workdir=/tmp/c/ring
+  python scripts/fit_memory_model.py --record=gin/ring_v5p.gin=/tmp/c/ring --no_compile
 
 Every small compile takes 10-60 s on 2 CPU cores and under 2 GiB.
 """
@@ -245,25 +247,60 @@ H128_CASES = [
 FIT_CASES = _cases_for("blockwise") + _cases_for("splash") + GROUP_CASES + LOSS_CASES + H128_CASES
 
 # Full-size Llama-3.1-8B, `python main.py --mode=compile --gin_file=G
-# --compile_topology=T` (memory_analysis total per device), measured by the
-# session lead on 2026-12-01 (jax 0.10.2, libtpu 0.0.42.1), re-measured after
-# the strided MLP chunks (6d785e3, 6a83552: only ulysses_v5p moved, 33.50 ->
-# 32.94; the coefficients were fitted to 33.50); the gin file headers and
-# README "Will it fit?" state them.
-FULL_SIZE = [
-  # gin file, topology, kernel, compiled GiB per device
-  ("gin/ring_v5p.gin", "v5p:4x4x4", "splash", 32.51),
-  ("gin/usp_ironwood.gin", "tpu7x:4x4x4", "splash", 24.67),
-  ("gin/ulysses_v5p.gin", "v5p:4x4x4", "splash", 34.50),
-  ("gin/allgather_v5p.gin", "v5p:4x4x4", "splash", 21.88),
-]
-# Checked, not fitted: the v5p length record (usp 8x8, 33,554,432 tokens,
-# offloaded layer inputs in groups of 2), 90,807,486,400 bytes per device with
-# the final and MLP norms inside their chunks (99,414,166,144 after the strided
-# MLP chunks, 90,824,820,736 before them).
-FULL_SIZE_CHECK = [
-  ("gin/long_v5p.gin", "v5p:4x4x4", "splash", 90807486400 / 2**30),
-]
+# --compile_topology=T` (memory_analysis total per device, GiB), one record per
+# gin file in lctx/sizing/full_size_compiles.json, which `--record=WORKDIR`
+# writes from a compile's compile.json. "fitted": false rows (gin/long_v5p.gin,
+# remat groups and offload) are reported, not fitted. The gin headers state the
+# same figures (tests/test_planner.py checks that they agree).
+FULL_SIZE_FILE = os.path.join(ROOT, "lctx", "sizing", "full_size_compiles.json")
+
+
+def full_size_records() -> dict[str, dict]:
+  with open(FULL_SIZE_FILE) as f:
+    return json.load(f)
+
+
+def _full_size_rows(fitted: bool) -> list[tuple[str, str, str, float]]:
+  return [
+    (gin_file, r["topology"], r["kernel"], r["total_gib"])
+    for gin_file, r in full_size_records().items()
+    if r["fitted"] == fitted
+  ]
+
+
+FULL_SIZE = _full_size_rows(fitted=True)
+FULL_SIZE_CHECK = _full_size_rows(fitted=False)
+
+
+def record_full_size(gin_file: str, workdir: str, fitted: bool | None = None) -> dict:
+  """Adds (or replaces) GIN_FILE's record in FULL_SIZE_FILE from WORKDIR/compile.json,
+  a `--mode=compile --gin_file=GIN_FILE` (no overrides) train step that fits."""
+  path = os.path.join(workdir, "compile.json")
+  with open(path) as f:
+    rec = json.load(f)
+  if not rec.get("fits") or rec.get("step", "train") != "train":
+    raise ValueError(
+      f"{path}: not a train-step compile that fits (fits {rec.get('fits')}, "
+      f"step {rec.get('step')}); only those are full-size records."
+    )
+  gin_file = os.path.relpath(os.path.abspath(gin_file), ROOT)
+  if not os.path.isfile(os.path.join(ROOT, gin_file)):
+    raise ValueError(f"--record: no gin file {gin_file}")
+  records = full_size_records()
+  old = records.get(gin_file, {})
+  records[gin_file] = {
+    "topology": rec["topology"],
+    "kernel": rec["attention_backend"],
+    "total_gib": round(rec["per_device"]["total_bytes"] / GiB, 2),
+    "fitted": old.get("fitted", True) if fitted is None else fitted,
+    "libtpu_version": rec.get("libtpu_version"),
+  }
+  with open(FULL_SIZE_FILE, "w") as f:
+    f.write("{\n")
+    rows = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in records.items()]
+    f.write(",\n".join(rows) + "\n}\n")
+  print(f"wrote {gin_file} ({records[gin_file]['total_gib']} GiB) to {FULL_SIZE_FILE}")
+  return records[gin_file]
 
 
 # ----------------------------------------------------------------------------
@@ -540,7 +577,22 @@ def main(argv=None) -> None:
     "--write", action="store_true", help="write the fit to lctx/parallel/memory_coefficients.json"
   )
   ap.add_argument("--ridge", type=float, default=0.02, help="pull towards PRIOR")
+  ap.add_argument(
+    "--record",
+    action="append",
+    default=[],
+    help="GIN_FILE=WORKDIR of a full-size --mode=compile: add its compile.json to "
+    "lctx/sizing/full_size_compiles.json (repeatable)",
+  )
   args = ap.parse_args(argv)
+
+  global FULL_SIZE, FULL_SIZE_CHECK  # pylint: disable=global-statement
+  for arg in args.record:
+    gin_file, sep, workdir = arg.partition("=")
+    if not sep:
+      raise SystemExit(f"--record={arg!r}: expected GIN_FILE=WORKDIR")
+    record_full_size(gin_file, workdir)
+  FULL_SIZE, FULL_SIZE_CHECK = _full_size_rows(True), _full_size_rows(False)
 
   cache = load_cache()
   code = compile_lib.code_hash(CODE_EXCLUDE)

@@ -324,6 +324,54 @@ def test_planner_is_within_15_percent_of_the_full_size_compiles(row):
   )
 
 
+def test_full_size_figures_have_one_source_the_gin_headers_agree_with():
+  """lctx/sizing/full_size_compiles.json is the fit's data; each gin header (and
+  README's table, for the flagships) states the same per-device total."""
+  fit = _fit_script()
+  records = fit.full_size_records()
+  assert {r[0] for r in fit.FULL_SIZE + fit.FULL_SIZE_CHECK} == set(records)
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  for gin_file, r in records.items():
+    with open(os.path.join(ROOT, gin_file)) as f:
+      header = f.read()
+    assert f"{r['total_gib']:.2f} GiB per device" in header, gin_file
+    if r["fitted"]:
+      row = next(line for line in readme.splitlines() if line.startswith(f"| `{gin_file}`"))
+      assert f"{r['total_gib']:.2f} GiB" in row, (gin_file, row)
+
+
+def test_record_adds_a_compile_json_and_refuses_one_that_does_not_fit(tmp_path, monkeypatch):
+  fit = _fit_script()
+  data = tmp_path / "full.json"
+  data.write_text(open(fit.FULL_SIZE_FILE).read())
+  monkeypatch.setattr(fit, "FULL_SIZE_FILE", str(data))
+  rec = {
+    "topology": "v5p:2x2x1",
+    "attention_backend": "splash",
+    "per_device": {"total_bytes": 3 * GiB + GiB // 4},
+    "fits": True,
+    "step": "train",
+    "libtpu_version": "0.0.42.1",
+  }
+  (tmp_path / "c").mkdir()
+  (tmp_path / "c" / "compile.json").write_text(json.dumps(rec))
+  out = fit.record_full_size("gin/ring_v5p.gin", str(tmp_path / "c"))
+  assert out == {
+    "topology": "v5p:2x2x1",
+    "kernel": "splash",
+    "total_gib": 3.25,
+    "fitted": True,
+    "libtpu_version": "0.0.42.1",
+  }
+  assert json.loads(data.read_text())["gin/ring_v5p.gin"] == out
+  assert len(json.loads(data.read_text())) == 5
+  (tmp_path / "c" / "compile.json").write_text(json.dumps(dict(rec, fits=False)))
+  with pytest.raises(ValueError, match="not a train-step compile that fits"):
+    fit.record_full_size("gin/ring_v5p.gin", str(tmp_path / "c"))
+  assert json.loads(data.read_text())["gin/ring_v5p.gin"] == out  # nothing lost
+
+
 # scripts/bench_memory.py's matrix (Llama-3.1-8B, remat 'full', splash; the cell
 # meshes of its docstring), all 24 cells: the compiler's total per device in GiB
 # (memory_analysis, or for a compile that ran out of HBM the total its error

@@ -99,7 +99,7 @@ ACCELERATORS: dict[str, Accelerator] = {
   for a in (
     # TPU HBM limits below are the compiler's "exceeds available HBM (Y G)"
     # (G = GiB) for a deliberately oversized program compiled on compile-only
-    # devices, libtpu 0.0.42.1 (jax 0.10.2), 2026-12-01: v5p 95.74, v5e 15.75,
+    # devices, libtpu 0.0.42.1 (jax 0.10.2): v5p 95.74, v5e 15.75,
     # v6e 31.25, tpu7x 94.75 GiB per device.
     # v5p: 95 GiB HBM2e per chip, one device per chip (megacore), 4 chips and
     # 448 GB of RAM per VM.

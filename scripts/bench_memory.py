@@ -57,7 +57,7 @@ TOPOLOGIES = ("v5p:4x4x4", "tpu7x:4x4x4")
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
 LENGTHS = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
 ULYSSES = 8  # Llama-3.1-8B's kv heads: the widest all-to-all the heads allow
-# The length records (issue 14): gin file -> the slice or node its header names
+# The length records: gin file -> the slice or node its header names
 # (GPU nodes compile on the CUDA plugin's compile-only devices, lctx/sizing/gpu.py).
 RECORDS = {
   "gin/long_v5p.gin": "v5p:4x4x4",

@@ -482,9 +482,8 @@ def report(points: list[Point], co: dict, title: str) -> list[float]:
   return errs
 
 
-# Where the ridge pulls: the blockwise fit before this script (11 small and 6
-# Llama-3.1-8B usp compiles, 2026-12-01, before the ring fix); splash starts
-# from the blockwise values, the new terms from 0.
+# Where the ridge pulls: a blockwise-only fit to 11 small and 6 Llama-3.1-8B usp
+# compiles; splash starts from the blockwise values, the new terms from 0.
 PRIOR = {
   "saved_tensor_scale": 1.0,
   "residual_scale": 1.0,

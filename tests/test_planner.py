@@ -375,7 +375,7 @@ def test_record_adds_a_compile_json_and_refuses_one_that_does_not_fit(tmp_path, 
 # scripts/bench_memory.py's matrix (Llama-3.1-8B, remat 'full', splash; the cell
 # meshes of its docstring), all 24 cells: the compiler's total per device in GiB
 # (memory_analysis, or for a compile that ran out of HBM the total its error
-# names), docs/benchmarks.md, libtpu 0.0.42.1, 2026-12-01/02. Not fitted: the
+# names), docs/benchmarks.md, libtpu 0.0.42.1. Not fitted: the
 # planner's coefficients predate them.
 MATRIX_CHECK = [
   ("all_gather", "v5p:4x4x4", "1M", 25.1),
@@ -405,19 +405,18 @@ MATRIX_CHECK = [
 ]
 SHORT_SHARD_LOSS = pytest.mark.xfail(
   strict=True,
-  reason="measured 2026-12-02: at 8,192 tokens per device (1M on 128 devices) the step's "
+  reason="measured: at 8,192 tokens per device (1M on 128 devices) the step's "
   "peak is the loss phase, whose vocabulary-wide buffers (f32 [8192, 128256] logits, f32 "
   "[128256, 4096] tables) do not shrink with the device count: compiled 17.3 GiB, the planner "
   "reads 10.8 (-37.6%); its loss coefficients were fitted where the loss was never the peak",
 )
 ALL_GATHER_4M = pytest.mark.xfail(
   strict=True,
-  reason="measured 2026-12-01: all_gather 4M on v5p compiles to 76.6 GiB, the planner "
-  "reads 64.3 (-16.0%)",
+  reason="measured: all_gather 4M on v5p compiles to 76.6 GiB, the planner reads 64.3 (-16.0%)",
 )
 ULYSSES_16M = pytest.mark.xfail(
   strict=True,
-  reason="measured 2026-12-02: ulysses at 16M (16 million tokens per device in splash's "
+  reason="measured: ulysses at 16M (16 million tokens per device in splash's "
   "piece loops, 8 or 16 rows) needs 846.8 / 851.3 GiB by the compiler's out-of-memory "
   "report; the planner reads 699.7 / 698.7 (-17.4% / -17.9%)",
 )
@@ -578,7 +577,7 @@ def _compile(exp, topology):
 
 BLOCKWISE_OFFLOAD = pytest.mark.xfail(
   strict=True,
-  reason="measured 2026-12-01 (refit with remat groups): planner 104.5 vs compiled 89.6 MiB "
+  reason="measured (refit with remat groups): planner 104.5 vs compiled 89.6 MiB "
   "(+16.6%): blockwise all_gather with offloaded layer inputs compiles below remat 'full' "
   "(96.6 MiB); the offload term is fitted to ring / usp, where it costs device memory",
 )
@@ -586,7 +585,7 @@ BLOCKWISE_OFFLOAD = pytest.mark.xfail(
 
 SPLASH_OFFLOAD = pytest.mark.xfail(
   strict=True,
-  reason="measured 2026-12-01 after the final and MLP norms moved into the loss and MLP "
+  reason="measured after the final and MLP norms moved into the loss and MLP "
   "chunks: this case compiles to 218.7 MiB (186.6 before: two more 16 MiB slots of "
   "lane-padded [..., 32] values; the full-size allgather_v5p fell 22.38 -> 21.88 GiB); "
   "the planner, not refitted since, reads 169.2 MiB (-22.6%)",
@@ -660,7 +659,7 @@ def test_plan_then_compile_hands_the_winner_to_the_compiler(tmp_path):
     assert json.load(f)["compiled"]["per_device"]["total_bytes"] > 0
 
 
-# The held-out check (issue 13 part 5): configurations the coefficients were
+# The held-out check: configurations the coefficients were
 # not fitted to (scripts/fit_memory_model.py fits d_model 256-1024 at 16K-32K;
 # these are d_model 1024 at 32K-64K, vocab 32K / 4K, other meshes and remat
 # choices), every strategy on both small slices,
@@ -701,8 +700,8 @@ HELD_OUT = [
 ]
 
 
-# Held-out cases the planner misses by more than 15%, as measured on
-# 2026-12-01 (libtpu 0.0.42.1, after the per-device loss; coefficients of
+# Held-out cases the planner misses by more than 15%, as measured with
+# libtpu 0.0.42.1 ( after the per-device loss; coefficients of
 # scripts/fit_memory_model.py's refit with remat groups and head dim 128):
 # (topology, strategy, length, remat, kernel) -> planner vs compiled per device.
 # 15 of the 18 are within 15%; 8-way all_gather on TPU7x holds more of the
@@ -727,7 +726,7 @@ def _held_out_params():
     topology, strategy, _, seq_len, remat = case[:5]
     for kernel in ("blockwise", "splash"):
       miss = HELD_OUT_MISSES.get((topology, strategy, seq_len, remat, kernel))
-      marks = pytest.mark.xfail(strict=True, reason=f"measured 2026-12-01: {miss}") if miss else ()
+      marks = pytest.mark.xfail(strict=True, reason=f"measured: {miss}") if miss else ()
       out.append(
         pytest.param(
           *case, kernel, marks=marks, id=f"{topology}-{strategy}-{seq_len}-{remat}-{kernel}"

@@ -236,8 +236,8 @@ def test_tpu_group_inner_inputs_go_to_host():
     seq_len=tok,
   )
   assert kept.host_temp_size_in_bytes == layers // 4 * one_input
-  # What the host holds more is libtpu's choice: 10 inputs here (2026-12-01,
-  # libtpu 0.0.42.1: device temp 384.2 -> 285.3 MB); the compile-only H100 of
+  # What the host holds more is libtpu's choice: 10 inputs here (libtpu
+  # 0.0.42.1: device temp 384.2 -> 285.3 MB); the compile-only H100 of
   # gin/long_h100.gin holds one group's (2 inputs) more.
   extra = sent.host_temp_size_in_bytes - kept.host_temp_size_in_bytes
   assert extra >= 4 * one_input, extra / one_input
@@ -269,7 +269,7 @@ def test_tpu_qkv_offload_and_group_device_temp():
   # Where layer inputs dominate (32 layers, 4096 tokens per device), remat over
   # groups of 4 layers keeps a quarter of them and the device temp falls by more
   # than a quarter of all inputs (the group's recompute holds some back; with
-  # splash, 2026-12-01: 297.8 -> 256.9 MB, inputs 134.2 MB).
+  # splash: 297.8 -> 256.9 MB, inputs 134.2 MB).
   big = dataclasses.replace(TPU, num_layers=32, mlp_dim=512)
   one = _tpu_memory("full", config=big, seq_len=4096)
   four = _tpu_memory("full", group=4, config=big, seq_len=4096)

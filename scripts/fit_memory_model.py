@@ -11,8 +11,9 @@ bench_results/fit_memory_model.json (keyed by the case; a case compiled from
 other sources is reported as stale and recompiled with --refresh), adds the
 full-size Llama-3.1-8B figures measured with `--mode=compile`
 (lctx/sizing/full_size_compiles.json: the flagship gin files, fitted, and
-gin/long_v5p.gin, reported, not fitted; `--record=WORKDIR` adds a compile.json), and fits the coefficients by bounded least squares on
-the relative error (est / compiled - 1; Gauss-Newton rounds, since the offload
+gin/long_v5p.gin, reported, not fitted; `--record=GIN_FILE=WORKDIR` adds a
+compile.json), and fits the coefficients by bounded least squares on the
+relative error (est / compiled - 1; Gauss-Newton rounds, since the offload
 term multiplies the attention ones; LOWER floors). It prints each case's
 compiled and fitted figures and the coefficient table (--write writes it to
 lctx/parallel/memory_coefficients.json, the memory model's data file).
@@ -248,8 +249,8 @@ FIT_CASES = _cases_for("blockwise") + _cases_for("splash") + GROUP_CASES + LOSS_
 
 # Full-size Llama-3.1-8B, `python main.py --mode=compile --gin_file=G
 # --compile_topology=T` (memory_analysis total per device, GiB), one record per
-# gin file in lctx/sizing/full_size_compiles.json, which `--record=WORKDIR`
-# writes from a compile's compile.json. "fitted": false rows (gin/long_v5p.gin,
+# gin file in lctx/sizing/full_size_compiles.json, which
+# `--record=GIN_FILE=WORKDIR` writes from a compile's compile.json. "fitted": false rows (gin/long_v5p.gin,
 # remat groups and offload) are reported, not fitted. The gin headers state the
 # same figures (tests/test_planner.py checks that they agree).
 FULL_SIZE_FILE = os.path.join(ROOT, "lctx", "sizing", "full_size_compiles.json")
@@ -272,9 +273,10 @@ FULL_SIZE = _full_size_rows(fitted=True)
 FULL_SIZE_CHECK = _full_size_rows(fitted=False)
 
 
-def record_full_size(gin_file: str, workdir: str, fitted: bool | None = None) -> dict:
+def record_full_size(gin_file: str, workdir: str) -> dict:
   """Adds (or replaces) GIN_FILE's record in FULL_SIZE_FILE from WORKDIR/compile.json,
-  a `--mode=compile --gin_file=GIN_FILE` (no overrides) train step that fits."""
+  a `--mode=compile --gin_file=GIN_FILE` (no overrides) train step that fits; a
+  replaced record keeps its "fitted" flag (new ones are fitted)."""
   path = os.path.join(workdir, "compile.json")
   with open(path) as f:
     rec = json.load(f)
@@ -292,7 +294,7 @@ def record_full_size(gin_file: str, workdir: str, fitted: bool | None = None) ->
     "topology": rec["topology"],
     "kernel": rec["attention_backend"],
     "total_gib": round(rec["per_device"]["total_bytes"] / GiB, 2),
-    "fitted": old.get("fitted", True) if fitted is None else fitted,
+    "fitted": old.get("fitted", True),
     "libtpu_version": rec.get("libtpu_version"),
   }
   with open(FULL_SIZE_FILE, "w") as f:
@@ -585,13 +587,11 @@ def main(argv=None) -> None:
   )
   args = ap.parse_args(argv)
 
-  global FULL_SIZE, FULL_SIZE_CHECK  # pylint: disable=global-statement
   for arg in args.record:
     gin_file, sep, workdir = arg.partition("=")
     if not sep:
       raise SystemExit(f"--record={arg!r}: expected GIN_FILE=WORKDIR")
     record_full_size(gin_file, workdir)
-  FULL_SIZE, FULL_SIZE_CHECK = _full_size_rows(True), _full_size_rows(False)
 
   cache = load_cache()
   code = compile_lib.code_hash(CODE_EXCLUDE)
@@ -628,8 +628,9 @@ def main(argv=None) -> None:
         print(f"skipped {case.name}: compiled {hit['attention_backend']}")
         continue
       points.append(case_point(case, float(hit["per_device"]["total_bytes"])))
-  full = [gin_point(*row) for row in FULL_SIZE]
-  check = [gin_point(*row) for row in FULL_SIZE_CHECK]
+  # Read again: --record may have just changed the file.
+  full = [gin_point(*row) for row in _full_size_rows(fitted=True)]
+  check = [gin_point(*row) for row in _full_size_rows(fitted=False)]
 
   report(points + full + check, dict(mm.COEFFICIENTS), "memory_model.COEFFICIENTS as they are")
   co = fit(points + ([] if args.no_full_size else full), list(FITTED), PRIOR, ridge=args.ridge)

@@ -80,8 +80,8 @@ def test_the_eval_step_compiles_for_a_slice_and_writes_compile_json(tmp_path):
   assert 0 < d["output_bytes"] < 2**16
   assert d["alias_bytes"] == 0
   assert ev["allocated_temp_bytes_per_device"] is not None  # the eval program's dump was read
-  # FLOPs against the forward formula (no backward in an eval step): 6 layers' worth
-  # of forward matmuls at 4096 tokens is model = 2 N_params T + attention; the
+  # FLOPs against the forward formula (no backward in an eval step): 2 layers of
+  # forward projections and causal attention at 4096 tokens plus the unembedding; the
   # counted total adds whole diagonal blocks and the ring's splash calls, so it
   # sits a little above the formula, never at a train step's ~3x.
   model = 2 * (2 * (128 * 32 * (4 + 2 + 2 + 4) + 3 * 128 * 384) + 2 * 2048 * 4 * 64)

@@ -204,9 +204,21 @@ def test_two_processes_disjoint_and_covering(corpus):
     )
     tok = ByteTokenizer()
     seen.append({tok.decode(p[0][:7]) for p in pieces if p[2][0] == 0})
-  want = {d[:6].decode() for d in _train_docs(config)}
   assert seen[0] and seen[1] and not seen[0] & seen[1]
-  assert seen[0] | seen[1] == want
+  # Together they read what one process reads in global batches of 2 rows: the
+  # epoch's last partial global batch is dropped (make_iterator's docstring), so
+  # which documents that row held depends on the record order, which TFDS
+  # derives from the file paths (a temp dir here).
+  one = _pieces(
+    _all_batches(
+      make_iterator(config, seq_len=S, batch_size=2, seed=0, process_index=0, process_count=1)
+    )
+  )
+  tok = ByteTokenizer()
+  assert seen[0] | seen[1] == {tok.decode(p[0][:7]) for p in one if p[2][0] == 0}
+  # and nothing but that one row of S tokens is lost: at most the documents it starts.
+  want = {d[:6].decode() for d in _train_docs(config)}
+  assert seen[0] | seen[1] <= want and len(want - (seen[0] | seen[1])) <= S // 11
 
 
 def test_invalid_utf8_flows_through_and_decodes(corpus):

@@ -54,3 +54,74 @@ def launch_local_args(n: int, gin_file: str, workdir: str, cache_dir: str, param
     *flags,
   ]
   return argv, env
+
+
+# Device meshes the attention tests run on (8 fake CPU devices): name -> (shape, axis names).
+MESHES = {
+  "c8": ((8,), ("context",)),
+  "d2c4": ((2, 4), ("data", "context")),
+  "t2c4": ((2, 4), ("tensor", "context")),
+  "usp2x4": ((2, 4), ("context", "context_ulysses")),
+  "usp4x2": ((4, 2), ("context", "context_ulysses")),
+}
+
+# Attention head layouts: name -> (q heads N, kv heads K, q/k head dim H, value dim V).
+# The *16 and mla24 rows have head dims the fused CPU and splash kernels take.
+HEADS = {
+  "mha": (8, 8, 8, 8),
+  "gqa": (8, 4, 8, 8),
+  "mqa": (8, 1, 8, 8),
+  "mla": (4, 4, 12, 8),  # value dim != q/k dim
+  "mha16": (8, 8, 16, 16),
+  "gqa16": (8, 4, 16, 16),
+  "mqa16": (8, 1, 16, 16),
+  "mla16": (4, 4, 32, 16),
+  "mla24": (4, 4, 24, 16),
+}
+
+
+def mesh(name: str, axis_type=None):
+  """The MESHES[name] mesh over the fake CPU devices, every axis of `axis_type`
+  (default Auto)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  shape, names = MESHES[name]
+  axis_type = jax.sharding.AxisType.Auto if axis_type is None else axis_type
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def packed_segments(b: int, t: int, packed: bool = True):
+  """(segment ids, positions) as numpy int32 [b, t], laid out as the data pipeline
+  packs rows: row 0 holds two documents then trailing padding (segment 0), the last
+  row two documents; positions restart at every document and are 0 on padding.
+  packed=False: one document filling every row."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  seg = np.ones((b, t), np.int32)
+  if packed:
+    seg[0, t // 3 : t - t // 5] = 2
+    seg[0, t - t // 5 :] = 0
+    seg[-1, t // 2 :] = 2
+  pos = np.zeros((b, t), np.int32)
+  for r in range(b):
+    for i in range(1, t):
+      pos[r, i] = pos[r, i - 1] + 1 if seg[r, i] == seg[r, i - 1] else 0
+  return seg, np.where(seg > 0, pos, 0).astype(np.int32)
+
+
+# gin bindings that shrink a flagship gin file to a model the TPU compiler builds in
+# seconds (2 layers, 4096 tokens), for compile tests on small slices.
+TINY_GIN = [
+  "ModelConfig.vocab_size = 384",
+  "ModelConfig.d_model = 128",
+  "ModelConfig.num_layers = 2",
+  "ModelConfig.num_heads = 4",
+  "ModelConfig.num_kv_heads = 2",
+  "ModelConfig.head_dim = 32",
+  "ModelConfig.mlp_dim = 384",
+  "ModelConfig.mlp_chunk_size = None",
+  "TrainConfig.seq_len = 4096",
+  "TrainConfig.loss_chunk_size = 1024",
+  "TrainConfig.attention_block_q = 512",
+  "TrainConfig.attention_block_kv = 512",
+]

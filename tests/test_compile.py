@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 
+import helpers
 import pytest
 
 # Read when libtpu loads (the first topology call), so before any test runs.
@@ -38,20 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
 
 # The tiny model in the gin files' own dtypes (bf16 compute, f32 master weights).
-TINY = [
-  "ModelConfig.vocab_size = 384",
-  "ModelConfig.d_model = 128",
-  "ModelConfig.num_layers = 2",
-  "ModelConfig.num_heads = 4",
-  "ModelConfig.num_kv_heads = 2",
-  "ModelConfig.head_dim = 32",
-  "ModelConfig.mlp_dim = 384",
-  "ModelConfig.mlp_chunk_size = None",
-  "TrainConfig.seq_len = 4096",
-  "TrainConfig.loss_chunk_size = 1024",
-  "TrainConfig.attention_block_q = 512",
-  "TrainConfig.attention_block_kv = 512",
-]
+TINY = helpers.TINY_GIN
 # Each TPU gin file on a small slice of its own kind, every mesh axis it uses
 # kept above 1.
 SMALL_SLICE = {

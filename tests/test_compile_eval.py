@@ -6,23 +6,10 @@ import os
 import subprocess
 import sys
 
+import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-  "ModelConfig.vocab_size = 384",
-  "ModelConfig.d_model = 128",
-  "ModelConfig.num_layers = 2",
-  "ModelConfig.num_heads = 4",
-  "ModelConfig.num_kv_heads = 2",
-  "ModelConfig.head_dim = 32",
-  "ModelConfig.mlp_dim = 384",
-  "ModelConfig.mlp_chunk_size = None",
-  "TrainConfig.seq_len = 4096",
-  "TrainConfig.loss_chunk_size = 1024",
-  "TrainConfig.attention_block_q = 512",
-  "TrainConfig.attention_block_kv = 512",
-  "MeshConfig.fsdp = 2",
-  "MeshConfig.context = 2",
-]
+TINY = [*helpers.TINY_GIN, "MeshConfig.fsdp = 2", "MeshConfig.context = 2"]
 
 
 def _compile(tmp_path, step):

@@ -7,6 +7,7 @@ marked slow.
 
 import re
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,43 +20,8 @@ from lctx.parallel.context import context_attention, make_attention_fn
 from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
 
 AUTO = jax.sharding.AxisType.Auto
-MESHES = {
-  "c8": ((8,), ("context",)),
-  "d2c4": ((2, 4), ("data", "context")),
-  "t2c4": ((2, 4), ("tensor", "context")),
-  "usp2x4": ((2, 4), ("context", "context_ulysses")),
-  "usp4x2": ((4, 2), ("context", "context_ulysses")),
-}
-# (q heads N, kv heads K, head dim H, value dim V)
-HEADS = {
-  "mha": (8, 8, 8, 8),
-  "gqa": (8, 4, 8, 8),
-  "mqa": (8, 1, 8, 8),
-  "mla": (4, 4, 12, 8),
-  # head dims the fused CPU kernel takes (multiples of 16)
-  "mha16": (8, 8, 16, 16),
-  "gqa16": (8, 4, 16, 16),
-  "mla16": (4, 4, 32, 16),
-}
-
-
-def _mesh(name, axis_type=AUTO):
-  shape, names = MESHES[name]
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
-
-
-def packed_batch(b, t, packed):
-  """Segment ids (documents + trailing padding in row 0) and per-document positions."""
-  seg = np.ones((b, t), np.int32)
-  if packed:
-    seg[0, t // 3 : t - t // 5] = 2
-    seg[0, t - t // 5 :] = 0  # padding
-    seg[-1, t // 2 :] = 2
-  pos = np.zeros((b, t), np.int32)
-  for r in range(b):
-    for i in range(1, t):
-      pos[r, i] = pos[r, i - 1] + 1 if seg[r, i] == seg[r, i - 1] else 0
-  return seg, pos
+MESHES, HEADS = helpers.MESHES, helpers.HEADS
+MATRIX_HEADS = ("mha", "gqa", "mqa", "mla", "mha16", "gqa16", "mla16")
 
 
 def _inputs(heads, b=2, t=32, seed=0):
@@ -81,9 +47,9 @@ def _check(fn, ref, q, k, v, w):
 def _run_case(
   strategy, mesh_name, heads, causal, load_balance, packed=True, window=None, axis_type=AUTO, t=32
 ):
-  mesh = _mesh(mesh_name, axis_type)
+  mesh = helpers.mesh(mesh_name, axis_type)
   q, k, v, w = _inputs(heads, t=t)
-  seg, pos = packed_batch(q.shape[0], q.shape[1], packed)
+  seg, pos = helpers.packed_segments(q.shape[0], q.shape[1], packed)
   kw = dict(segment_ids=seg, causal=causal, window_size=window)
 
   def ours(q, k, v):
@@ -135,9 +101,9 @@ def test_strategy_on_fused_cpu_kernel(strategy, mesh_name, heads, causal, lb):
   if cpu_build.compiler() is None:
     pytest.skip("no C++ compiler on this machine")
   assert cpu_fused.available(), cpu_fused.unavailable_reason()
-  mesh = _mesh(mesh_name)
+  mesh = helpers.mesh(mesh_name)
   q, k, v, _ = _inputs(heads, t=64)
-  seg, pos = packed_batch(q.shape[0], q.shape[1], True)
+  seg, pos = helpers.packed_segments(q.shape[0], q.shape[1], True)
   fn = lambda q, k, v: context_attention(  # noqa: E731
     q,
     k,
@@ -181,7 +147,7 @@ def _matrix():
   for s in ("all_gather", "ulysses", "ring", "usp"):
     meshes = ("c8", "t2c4", "usp2x4") if s == "all_gather" else MESHES
     for m in meshes:
-      for h in HEADS:
+      for h in MATRIX_HEADS:
         for c, lb in ((True, True), (True, False), (False, False)):
           case = (s, m, h, c, lb)
           if _valid(s, m, h, lb) and case not in DEFAULT_CASES:
@@ -200,9 +166,9 @@ def test_strategy_matrix(strategy, mesh_name, heads, causal, lb):
 
 def test_attention_fn_in_jit_on_reordered_batch_sharded_over_data():
   """The train-step path: batch already in zigzag order, sharded over data."""
-  mesh = _mesh("d2c4")
+  mesh = helpers.mesh("d2c4")
   q, k, v, w = _inputs("gqa", b=4)
-  seg, pos = packed_batch(4, 32, True)
+  seg, pos = helpers.packed_segments(4, 32, True)
   ring = 4
   zz = lambda x: zigzag_reorder(x, ring, axis=1)  # noqa: E731
   seg_z, pos_z = zz(seg), zz(pos)  # host numpy, like the data pipeline
@@ -242,9 +208,9 @@ def test_attention_fn_in_jit_on_reordered_batch_sharded_over_data():
 def test_ring_piece_pairs_match_reference(heads, causal, window, lb):
   """Each device chunk cut into 4 pieces per hop (the fori_loop over 16 piece
   pairs that long chunks use), against the reference: values and grads."""
-  mesh = _mesh("c8")
+  mesh = helpers.mesh("c8")
   q, k, v, w = _inputs(heads, t=128)
-  seg, pos = packed_batch(2, 128, True)
+  seg, pos = helpers.packed_segments(2, 128, True)
   zz = (lambda x: zigzag_reorder(x, 8, axis=1)) if lb else (lambda x: x)  # noqa: E731
   unzz = (lambda x: zigzag_inverse(x, 8, axis=1)) if lb else (lambda x: x)  # noqa: E731
   attn = make_attention_fn(mesh, "ring", load_balance=lb, sub_chunks=4)
@@ -289,10 +255,10 @@ def test_ring_under_layer_scan_keeps_no_per_hop_copies(remat):
   evaluation hoisted the masks, pieces and cond residuals of every (hop, pair)
   out of the loops as [hops, pairs, ...] arrays (f32 [15, 64, 8, 8192, 128] at
   Llama-8B on v5p)."""
-  mesh = _mesh("c8")
+  mesh = helpers.mesh("c8")
   t, pieces = 512, 2  # 64 tokens per device, pieces of 32: 7 hops x 4 pairs
   q, k, v, _ = _inputs("mha", b=1, t=t)
-  seg, pos = packed_batch(1, t, True)
+  seg, pos = helpers.packed_segments(1, t, True)
   attn = make_attention_fn(mesh, "ring", load_balance=False, sub_chunks=pieces)
 
   def layer(x):

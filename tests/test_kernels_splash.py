@@ -22,6 +22,7 @@ from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
 devices_lib.compile_only_env()
 
 import gin  # noqa: E402
+import helpers  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -38,34 +39,7 @@ from lctx.trainer import TrainConfig, Trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AUTO = jax.sharding.AxisType.Auto
-MESHES = {
-  "c8": ((8,), ("context",)),
-  "d2c4": ((2, 4), ("data", "context")),
-  "t2c4": ((2, 4), ("tensor", "context")),
-  "usp2x4": ((2, 4), ("context", "context_ulysses")),
-  "usp4x2": ((4, 2), ("context", "context_ulysses")),
-}
-# (q heads N, kv heads K, head dim H, value dim V)
-HEADS = {
-  "mha": (8, 8, 16, 16),
-  "gqa": (8, 4, 16, 16),
-  "mqa": (8, 1, 16, 16),
-  "mla": (4, 4, 24, 16),
-}
-
-
-def _packed(b, t):
-  """Segment ids (row 0: two documents then padding; row 1: two documents) and
-  positions restarting at every document, as the data pipeline makes them."""
-  seg = np.ones((b, t), np.int32)
-  seg[0, t // 3 :] = 2
-  seg[0, t - t // 5 :] = 0
-  seg[-1, t // 2 :] = 2
-  pos = np.zeros((b, t), np.int32)
-  for r in range(b):
-    for i in range(1, t):
-      pos[r, i] = pos[r, i - 1] + 1 if seg[r, i] == seg[r, i - 1] else 0
-  return seg, np.where(seg > 0, pos, 0)
+MESHES, HEADS = helpers.MESHES, helpers.HEADS
 
 
 def _qkv(heads, b, t, s=None, seed=0):
@@ -110,8 +84,8 @@ def test_differentiable_call_with_lse_matches_reference(budget, monkeypatch):
   whose block maps outgrow SMEM run."""
   monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", MAP_BUDGETS[budget])
   b, t = 2, 256
-  q, k, v = _qkv("gqa", b, t)
-  seg, pos = _packed(b, t)
+  q, k, v = _qkv("gqa16", b, t)
+  seg, pos = helpers.packed_segments(b, t)
   kw = dict(segment_ids=seg, q_positions=pos, kv_positions=pos, window_size=100, return_lse=True)
   layout = splash.Layout(splash.TokenOrder(t))
 
@@ -144,8 +118,8 @@ def test_ring_block_api_on_a_visiting_zigzag_block(budget, monkeypatch):
   monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", MAP_BUDGETS[budget])
   order = splash.TokenOrder(512, 2)
   b, t = 2, 256
-  q, k, v = _qkv("mqa", b, 512)
-  seg, pos = _packed(b, 512)
+  q, k, v = _qkv("mqa16", b, 512)
+  seg, pos = helpers.packed_segments(b, 512)
   zz = lambda x: zigzag_reorder(x, 2, axis=1)  # noqa: E731
   q, k, v, seg, pos = zz(q)[:, t:], zz(k), zz(v), zz(seg), zz(pos)
   blocks = [(t, slice(t, 2 * t)), (0, slice(0, t))]  # (kv start, rows): own, visiting
@@ -205,18 +179,18 @@ def test_ring_block_api_on_a_visiting_zigzag_block(budget, monkeypatch):
 
 
 def test_explicit_splash_refuses_and_auto_falls_back_with_one_log(caplog):
-  q, k, v = _qkv("gqa", 1, 128)
+  q, k, v = _qkv("gqa16", 1, 128)
   pos = np.arange(128)[None]
   with pytest.raises(ValueError, match="backend='splash'.*token layout"):
     flash.flash_attention(q, k, v, backend="splash", q_positions=pos, kv_positions=pos)
-  q96, k96, v96 = _qkv("gqa", 1, 96)
+  q96, k96, v96 = _qkv("gqa16", 1, 96)
   with pytest.raises(ValueError, match="backend='splash'.*multiples of 128"):
     flash.flash_attention(q96, k96, v96, backend="splash", platform="cpu")
   with pytest.raises(ValueError, match="backend='splash'.*zigzag chunks"):
     layout = splash.Layout(splash.TokenOrder(4096, 8), 0, 0)  # 256-token chunks
     flash.attention_block_forward(
       q,
-      *_qkv("gqa", 1, 128, 384)[1:],
+      *_qkv("gqa16", 1, 128, 384)[1:],
       q_segment_ids=None,
       kv_segment_ids=None,
       q_positions=pos,
@@ -242,7 +216,7 @@ def test_explicit_splash_refuses_and_auto_falls_back_with_one_log(caplog):
   assert flash.choose_backend(q, k, v, platform="cpu", layout=layout) != "splash"
 
 
-@pytest.mark.parametrize("heads", ["mqa", pytest.param("gqa", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("heads", ["mqa16", pytest.param("gqa16", marks=pytest.mark.slow)])
 def test_local_plugin_on_splash_matches_reference(heads):
   """Strategy 'none' (lctx.parallel.local): the plug-in declares natural order, so
   splash takes the pipeline's explicit positions; it runs in a shard_map over the
@@ -254,7 +228,7 @@ def test_local_plugin_on_splash_matches_reference(heads):
   )
   b, t = 2, 256
   q, k, v = _qkv(heads, b, t)
-  seg, pos = _packed(b, t)
+  seg, pos = helpers.packed_segments(b, t)
   kw = dict(segment_ids=seg, window_size=100)
   attn = local_attention_fn(kernel_backend="splash", block_q=128, block_kv=128, mesh=mesh)
   out, vjp = jax.vjp(jax.jit(lambda q, k, v: attn(q, k, v, positions=pos, **kw)), q, k, v)
@@ -271,7 +245,7 @@ def test_local_plugin_on_splash_matches_reference(heads):
 def test_local_plugin_without_natural_order_refuses_splash(caplog):
   """natural_order=False (arbitrary positions): an explicit 'splash' raises naming
   the missing layout; 'auto' for TPU passes splash over with one logged reason."""
-  q, k, v = _qkv("gqa", 1, 128)
+  q, k, v = _qkv("gqa16", 1, 128)
   pos = np.arange(128)[None]
   seg = np.ones((1, 128), np.int32)
   attn = local_attention_fn(kernel_backend="splash", natural_order=False)
@@ -295,7 +269,7 @@ def _strategy_case(strategy, mesh_name, heads, t, lb, window=None, causal=True):
   mesh = jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
   b = 2
   q, k, v = _qkv(heads, b, t)
-  seg, pos = _packed(b, t)
+  seg, pos = helpers.packed_segments(b, t)
   kw = dict(segment_ids=seg, causal=causal, window_size=window)
 
   def fn(q, k, v):
@@ -328,7 +302,7 @@ def test_ulysses_on_splash_in_pieces(monkeypatch):
   first to outgrow SMEM (1M tokens): the piece loops inside shard_map, over tensor
   x context, with packed rows, against the reference (values and gradients)."""
   monkeypatch.setattr(splash, "MAX_BLOCK_MAP_BYTES", MAP_BUDGETS["tiled"])
-  _strategy_case("ulysses", "t2c4", "mha", 512, False)
+  _strategy_case("ulysses", "t2c4", "mha16", 512, False)
 
 
 def test_ring_train_path_on_splash():
@@ -337,8 +311,8 @@ def test_ring_train_path_on_splash():
   shape, names = MESHES["d2c4"]
   mesh = jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
   b, t = 2, 1024
-  q, k, v = _qkv("gqa", b, t)
-  seg, pos = _packed(b, t)
+  q, k, v = _qkv("gqa16", b, t)
+  seg, pos = helpers.packed_segments(b, t)
   kw = dict(segment_ids=seg, positions=pos, window_size=300)
   attn = make_attention_fn(
     mesh, "ring", load_balance=True, sub_chunks=2, kernel_backend="splash", block_q=128
@@ -363,17 +337,17 @@ def test_ring_train_path_on_splash():
 
 SLOW_CASES = [
   # strategy, mesh, heads, global length, load balance, window, causal
-  ("ring", "c8", "gqa", 2048, True, None, True),
-  ("ring", "c8", "mqa", 2048, True, 300, True),
-  ("ring", "d2c4", "mla", 1024, False, None, True),
-  ("ring", "c8", "gqa", 1024, False, 200, False),
-  ("usp", "usp2x4", "gqa", 2048, True, None, True),
-  ("usp", "usp4x2", "mha", 2048, True, 500, True),
-  ("all_gather", "c8", "gqa", 2048, True, None, True),
-  ("all_gather", "c8", "mqa", 2048, True, 300, True),
-  ("all_gather", "t2c4", "mqa", 1024, False, None, True),
-  ("ulysses", "c8", "mha", 1024, False, None, True),
-  ("ulysses", "t2c4", "mha", 1024, False, 200, True),
+  ("ring", "c8", "gqa16", 2048, True, None, True),
+  ("ring", "c8", "mqa16", 2048, True, 300, True),
+  ("ring", "d2c4", "mla24", 1024, False, None, True),
+  ("ring", "c8", "gqa16", 1024, False, 200, False),
+  ("usp", "usp2x4", "gqa16", 2048, True, None, True),
+  ("usp", "usp4x2", "mha16", 2048, True, 500, True),
+  ("all_gather", "c8", "gqa16", 2048, True, None, True),
+  ("all_gather", "c8", "mqa16", 2048, True, 300, True),
+  ("all_gather", "t2c4", "mqa16", 1024, False, None, True),
+  ("ulysses", "c8", "mha16", 1024, False, None, True),
+  ("ulysses", "t2c4", "mha16", 1024, False, 200, True),
 ]
 
 

@@ -19,8 +19,8 @@ from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
 
 devices_lib.compile_only_env()
 
+from lctx import configs, models  # noqa: E402
 from lctx import data as data_lib  # noqa: E402
-from lctx import models  # noqa: E402
 from lctx import train as train_lib  # noqa: E402
 from lctx.parallel import auto  # noqa: E402
 from lctx.parallel.mesh import MeshConfig  # noqa: E402
@@ -31,19 +31,8 @@ from lctx.trainer import TrainConfig  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
 
-LLAMA_8B = dict(
-  vocab_size=128256,
-  d_model=4096,
-  num_layers=32,
-  num_heads=32,
-  num_kv_heads=8,
-  head_dim=128,
-  mlp_dim=14336,
-  dtype="bfloat16",
-  param_dtype="float32",
-  remat_policy="full",
-  mlp_chunk_size=32768,
-)
+# Llama-3.1-8B as gin/models/llama3_8b.gin binds it, with the flagships' MLP chunk.
+LLAMA_8B = dataclasses.asdict(configs.model_config("llama3_8b", mlp_chunk_size=32768))
 
 
 def _exp(model: dict, *, seq_len: int, batch_size: int = 1, mesh=None, **train):

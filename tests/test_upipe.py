@@ -6,6 +6,7 @@ is one stage's; the natural-order load-balanced call costs no O(T) per device.
 
 import functools
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,30 +18,7 @@ from lctx.parallel.upipe import stage_shape
 from lctx.parallel.zigzag import zigzag_permute_local, zigzag_reorder
 
 AUTO = jax.sharding.AxisType.Auto
-MESHES = {
-  "d2c4": ((2, 4), ("data", "context")),
-  "t2c4": ((2, 4), ("tensor", "context")),
-  "usp2x4": ((2, 4), ("context", "context_ulysses")),
-  "c8": ((8,), ("context",)),
-}
-
-
-def _mesh(name):
-  shape, names = MESHES[name]
-  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
-
-
-def _packed(b, t):
-  """Two documents and trailing padding in row 0, two documents in the last row."""
-  seg = np.ones((b, t), np.int32)
-  seg[0, t // 3 : t - t // 5] = 2
-  seg[0, t - t // 5 :] = 0
-  seg[-1, t // 2 :] = 2
-  pos = np.zeros((b, t), np.int32)
-  for r in range(b):
-    for i in range(1, t):
-      pos[r, i] = pos[r, i - 1] + 1 if seg[r, i] == seg[r, i - 1] else 0
-  return jnp.asarray(seg), jnp.asarray(pos)
+MESHES = helpers.MESHES
 
 
 def _qkvw(n, kh, b=2, t=32, h=16, seed=0):
@@ -65,9 +43,9 @@ def _qkvw(n, kh, b=2, t=32, h=16, seed=0):
   ],
 )
 def test_head_chunks_equal_unchunked_and_reference(strategy, mesh_name, n, kh, chunks):
-  mesh = _mesh(mesh_name)
+  mesh = helpers.mesh(mesh_name)
   q, k, v, w = _qkvw(n, kh)
-  seg, pos = _packed(q.shape[0], q.shape[1])
+  seg, pos = helpers.packed_segments(q.shape[0], q.shape[1])
   kw = dict(segment_ids=seg, positions=pos)
   chunked = make_attention_fn(mesh, strategy, ulysses_head_chunks=chunks, block_q=8, block_kv=8)
   plain = make_attention_fn(mesh, strategy, block_q=8, block_kv=8)
@@ -86,7 +64,7 @@ def test_head_chunks_equal_unchunked_and_reference(strategy, mesh_name, n, kh, c
 
 
 def test_context_attention_takes_head_chunks():
-  mesh = _mesh("c8")
+  mesh = helpers.mesh("c8")
   q, k, v, _ = _qkvw(16, 8, b=1, t=64)
   out = context_attention(q, k, v, mesh=mesh, strategy="ulysses", ulysses_head_chunks=2)
   want = reference_attention(q, k, v)
@@ -112,7 +90,7 @@ def test_stage_shape_rules(args, message):
 
 def test_head_chunks_only_for_all_to_all_strategies():
   with pytest.raises(ValueError, match=r"\[head-chunks\].*not 'ring'"):
-    make_attention_fn(_mesh("c8"), "ring", ulysses_head_chunks=2)
+    make_attention_fn(helpers.mesh("c8"), "ring", ulysses_head_chunks=2)
 
 
 def _compiled_temp(fn, *shapes):
@@ -126,7 +104,7 @@ def test_head_chunks_shrink_the_compiled_working_set(strategy, mesh_name):
   # the whole sequence at once unchunked (usp: 16 of half of it), one (two) per
   # stage with 8 stages. What remains is the local [T/A, n] layout: q's stage-major
   # copy, the output buffer and dq, each as large as all heads of the full sequence.
-  mesh = _mesh(mesh_name)
+  mesh = helpers.mesh(mesh_name)
   b, t, n, kh, h = 1, 8192, 64, 8, 64
   q = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32)
   kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.float32)
@@ -145,7 +123,7 @@ def test_load_balanced_natural_order_call_costs_no_gather(strategy, mesh_name):
   # q/k/v sharded over the context axes; zigzag by collective permutes of half
   # shards keeps the compiled temp near the plain call's (a gather made it 6.6x
   # at 32K tokens on 8 devices).
-  mesh = _mesh(mesh_name)
+  mesh = helpers.mesh(mesh_name)
   b, t, n, h = 1, 16384, 4, 16
   spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, MESHES[mesh_name][1]))
   q = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32, sharding=spec)
@@ -196,14 +174,14 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
   from lctx.models.attention import GQAAttention, reference_attention_fn
   from lctx.models.config import ModelConfig
 
-  mesh = _mesh(mesh_name)
+  mesh = helpers.mesh(mesh_name)
   cfg = ModelConfig(
     vocab_size=64, d_model=32, num_layers=1, num_heads=n, num_kv_heads=kh, head_dim=8,
     mlp_dim=64, dtype="float32", param_dtype="float32",
   )  # fmt: skip
   b, t = 2, 32
   x = jax.random.normal(jax.random.key(1), (b, t, cfg.d_model))
-  seg, pos = _packed(b, t)
+  seg, pos = helpers.packed_segments(b, t)
   staged = make_attention_fn(
     mesh, strategy, ulysses_head_chunks=chunks, stage_projections=True, block_q=8, block_kv=8
   )
@@ -229,9 +207,11 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
 
 def test_stage_projections_rules():
   with pytest.raises(ValueError, match=r"\[head-chunks\].*needs ulysses_head_chunks >= 2"):
-    make_attention_fn(_mesh("c8"), "ulysses", stage_projections=True)
+    make_attention_fn(helpers.mesh("c8"), "ulysses", stage_projections=True)
   with pytest.raises(ValueError, match=r"\[head-chunks\].*needs tensor = 1"):
-    make_attention_fn(_mesh("t2c4"), "ulysses", ulysses_head_chunks=2, stage_projections=True)
+    make_attention_fn(
+      helpers.mesh("t2c4"), "ulysses", ulysses_head_chunks=2, stage_projections=True
+    )
 
 
 def test_stage_projections_refused_without_an_all_to_all():

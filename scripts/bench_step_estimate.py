@@ -23,47 +23,28 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_setup  # noqa: E402  (scripts/, beside this file)
+
 flags.DEFINE_multi_string("gin_file", [], "Gin files.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings.")
 flags.DEFINE_integer("steps", 5, "Timed steps.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps after compile.")
 flags.DEFINE_string("out", "bench_results/bench_step_estimate.json", "JSON output.")
 FLAGS = flags.FLAGS
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(_):
-  from lctx import gin_utils  # pylint: disable=g-import-not-at-top
-
-  n = gin_utils.local_devices_macro(FLAGS.gin_file, [ROOT], FLAGS.gin_param)
-  if n:
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-    )
+  bench_setup.fake_devices(FLAGS.gin_file, FLAGS.gin_param)
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from lctx import configs, hardware, metrics  # pylint: disable=g-import-not-at-top
-  from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from lctx import hardware, metrics  # pylint: disable=g-import-not-at-top
   from lctx.sizing import hlo_flops  # pylint: disable=g-import-not-at-top
   from lctx.sizing import tpu as compile_lib  # pylint: disable=g-import-not-at-top
-  from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
 
-  gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param, [ROOT])
-  exp = configs.experiment()
-  mesh = mesh_lib.make_mesh(exp.mesh)
-  trainer = Trainer(exp.model, exp.train, mesh)
-  state = trainer.init_state(0)
+  exp, trainer, state = bench_setup.trainer_for(FLAGS.gin_file, FLAGS.gin_param)
   b, t = exp.train.batch_size, exp.train.seq_len
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(3, min(exp.model.vocab_size, 259), (b, t + 1), dtype=np.int32)
-  batch = {
-    "inputs": tokens[:, :-1],
-    "targets": tokens[:, 1:],
-    "segment_ids": np.ones((b, t), np.int32),
-    "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-    "loss_mask": np.ones((b, t), np.float32),
-  }
+  batch = bench_setup.random_batch(exp)
   dev_batch = trainer.device_batch(trainer.plan.to_device_order(batch))
   compiled = trainer.compile_train_step()
   count = hlo_flops.matmul_flops(compiled.as_text())
@@ -83,7 +64,7 @@ def main(_):
   # The CPU as an accelerator row: its devices share the cores; no link figures.
   cpu = hardware.Accelerator("cpu", 0, 1, devices, 0, matmul, "cpu")
   fig = compile_lib.step_figures(
-    count, mesh=mesh, accel=cpu, model=exp.model, train=exp.train,
+    count, mesh=trainer.mesh, accel=cpu, model=exp.model, train=exp.train,
     peak_flops_per_device=matmul / devices,
   )  # fmt: skip
   result = {

@@ -19,45 +19,26 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_setup  # noqa: E402  (scripts/, beside this file)
+
 flags.DEFINE_multi_string("gin_file", [], "Gin files.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings.")
 flags.DEFINE_integer("steps", 5, "Timed steps.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps after compile.")
 flags.DEFINE_string("out", "bench_results/bench_train.json", "JSON output.")
 FLAGS = flags.FLAGS
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(_):
-  from lctx import gin_utils  # pylint: disable=g-import-not-at-top
-
-  n = gin_utils.local_devices_macro(FLAGS.gin_file, [ROOT], FLAGS.gin_param)
-  if n:
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-    )
+  bench_setup.fake_devices(FLAGS.gin_file, FLAGS.gin_param)
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from lctx import configs, metrics  # pylint: disable=g-import-not-at-top
-  from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
+  from lctx import metrics  # pylint: disable=g-import-not-at-top
 
-  gin_utils.parse(FLAGS.gin_file, FLAGS.gin_param, [ROOT])
-  exp = configs.experiment()
-  mesh = mesh_lib.make_mesh(exp.mesh)
-  trainer = Trainer(exp.model, exp.train, mesh)
-  state = trainer.init_state(0)
+  exp, trainer, state = bench_setup.trainer_for(FLAGS.gin_file, FLAGS.gin_param)
   b, t = exp.train.batch_size, exp.train.seq_len
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(3, min(exp.model.vocab_size, 259), (b, t + 1), dtype=np.int32)
-  batch = {
-    "inputs": tokens[:, :-1],
-    "targets": tokens[:, 1:],
-    "segment_ids": np.ones((b, t), np.int32),
-    "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-    "loss_mask": np.ones((b, t), np.float32),
-  }
+  batch = bench_setup.random_batch(exp)
   batch = trainer.plan.to_device_order(batch)
   dev_batch = trainer.device_batch(batch)
   t0 = time.perf_counter()

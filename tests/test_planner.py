@@ -690,12 +690,15 @@ HELD_OUT = [
 
 
 # Held-out cases the planner misses by more than 15%, as measured with
-# libtpu 0.0.42.1 ( after the per-device loss; coefficients of
-# scripts/fit_memory_model.py's refit with remat groups and head dim 128):
+# libtpu 0.0.42.1 (coefficients of scripts/fit_memory_model.py's refit with
+# remat groups and head dim 128):
 # (topology, strategy, length, remat, kernel) -> planner vs compiled per device.
-# 15 of the 18 are within 15%; 8-way all_gather on TPU7x holds more of the
+# 14 of the 18 are within 15%; 8-way all_gather on TPU7x holds more of the
 # whole-sequence K/V than the 4-way fit cases show, and splash with offloaded
-# layer inputs keeps more ring buffers live than the offload term counts.
+# layer inputs keeps more ring buffers live than the offload term counts. The
+# remat-group case is the one miss on the safe side (the planner over); it reads
+# the same figures on the code before the sizing package moved, so the fit is
+# older than the program, and which change shrank the program is not isolated.
 HELD_OUT_MISSES = {
   ("tpu7x:2x2x1", "ring", 65536, "offload_layer_inputs", "splash"): (
     "planner 917.7 vs compiled 1109.7 MiB (-17.3%)"
@@ -705,6 +708,9 @@ HELD_OUT_MISSES = {
   ),
   ("tpu7x:2x2x1", "all_gather", 65536, "full", "splash"): (
     "planner 1032.3 vs compiled 1414.2 MiB (-27.0%)"
+  ),
+  ("v5p:2x2x1", "usp", 65536, "offload_layer_inputs/g2", "splash"): (
+    "planner 1925.4 vs compiled 1657.5 MiB (+16.2%)"
   ),
 }
 

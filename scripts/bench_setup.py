@@ -12,14 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fake_devices(gin_files, gin_params) -> None:
-  """XLA_FLAGS gains the device count of the gin files' LOCAL_DEVICES macro, if any."""
-  from lctx import gin_utils  # pylint: disable=g-import-not-at-top  (no jax import)
+  """The gin files' LOCAL_DEVICES macro as fake CPU devices, as main.py sets them
+  (lctx.platforms.set_fake_devices); no-op without the macro."""
+  from lctx import gin_utils, platforms  # pylint: disable=g-import-not-at-top  (no jax import)
 
-  n = gin_utils.local_devices_macro(gin_files, [ROOT], gin_params)
-  if n:
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-    )
+  platforms.set_fake_devices(gin_utils.local_devices_macro(gin_files, [ROOT], gin_params))
 
 
 def trainer_for(gin_files, gin_params):

@@ -697,8 +697,8 @@ HELD_OUT = [
 # whole-sequence K/V than the 4-way fit cases show, and splash with offloaded
 # layer inputs keeps more ring buffers live than the offload term counts. The
 # remat-group case is the one miss on the safe side (the planner over); it reads
-# the same figures on the code before the sizing package moved, so the fit is
-# older than the program, and which change shrank the program is not isolated.
+# the same figures on the code before the sizing package moved, and its cause is
+# not isolated.
 HELD_OUT_MISSES = {
   ("tpu7x:2x2x1", "ring", 65536, "offload_layer_inputs", "splash"): (
     "planner 917.7 vs compiled 1109.7 MiB (-17.3%)"

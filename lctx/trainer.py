@@ -73,7 +73,7 @@ class Trainer:
       self.compiler_options["xla_cpu_prefer_vector_width"] = int(train_cfg.cpu_vector_width)
     self.plan = context_plan(train_cfg, mesh, model_cfg)
     self.attention_fn = self.plan.attention_fn
-    self.model = models.Transformer(model_cfg, self.attention_fn)
+    self.model = models.Transformer(model_cfg, self.plan.mixer)
     self.tx, self.schedule = make_optimizer(train_cfg)
     self.batch_sharding = mesh_lib.batch_sharding(mesh)
     batch_ways, seq_ways = mesh_lib.batch_shard_counts(mesh)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lctx.kernels import reference_attention
-from lctx.parallel.context import context_attention, make_attention_fn
+from lctx.parallel import context_attention, make_attention_fn
 from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
 
 AUTO = jax.sharding.AxisType.Auto

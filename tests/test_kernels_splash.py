@@ -30,8 +30,8 @@ import pytest  # noqa: E402
 
 from lctx import configs, gin_utils, models  # noqa: E402
 from lctx.kernels import flash, reference_attention, splash  # noqa: E402
+from lctx.parallel import context_attention, make_attention_fn  # noqa: E402
 from lctx.parallel import mesh as mesh_lib  # noqa: E402
-from lctx.parallel.context import context_attention, make_attention_fn  # noqa: E402
 from lctx.parallel.local import local_attention_fn  # noqa: E402
 from lctx.parallel.zigzag import zigzag_reorder  # noqa: E402
 from lctx.sizing import tpu as compile_lib  # noqa: E402

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from lctx.kernels import reference_attention
-from lctx.parallel.context import context_attention, make_attention_fn
+from lctx.parallel import SequenceMixer, context_attention, make_attention_fn
+from lctx.parallel.context import stage_heads
 from lctx.parallel.upipe import stage_shape
 from lctx.parallel.zigzag import zigzag_permute_local, zigzag_reorder
 
@@ -182,11 +183,9 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
   b, t = 2, 32
   x = jax.random.normal(jax.random.key(1), (b, t, cfg.d_model))
   seg, pos = helpers.packed_segments(b, t)
-  staged = make_attention_fn(
-    mesh, strategy, ulysses_head_chunks=chunks, stage_projections=True, block_q=8, block_kv=8
-  )
-  assert staged.head_stages(n, kh)[0].shape == (chunks, n // chunks)
   plain = make_attention_fn(mesh, strategy, block_q=8, block_kv=8)
+  staged = SequenceMixer(attention=plain, head_stages=stage_heads(mesh, strategy, chunks))
+  assert staged.head_stages(n, kh)[0].shape == (chunks, n // chunks)
   params = GQAAttention(cfg, reference_attention_fn).init(jax.random.key(0), x, seg, pos)
 
   def run(fn):
@@ -207,11 +206,11 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
 
 def test_stage_projections_rules():
   with pytest.raises(ValueError, match=r"\[head-chunks\].*needs ulysses_head_chunks >= 2"):
-    make_attention_fn(helpers.mesh("c8"), "ulysses", stage_projections=True)
+    stage_heads(helpers.mesh("c8"), "ulysses", None)
   with pytest.raises(ValueError, match=r"\[head-chunks\].*needs tensor = 1"):
-    make_attention_fn(
-      helpers.mesh("t2c4"), "ulysses", ulysses_head_chunks=2, stage_projections=True
-    )
+    stage_heads(helpers.mesh("t2c4"), "ulysses", 2)
+  with pytest.raises(ValueError, match=r"\[head-chunks\].*strategy 'ring' has none"):
+    stage_heads(helpers.mesh("c8"), "ring", 2)
 
 
 def test_stage_projections_refused_without_an_all_to_all():

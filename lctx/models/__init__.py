@@ -2,7 +2,7 @@
 
 Public API:
   ModelConfig                  frozen dataclass (+ num_params, flops_per_token)
-  Transformer(config, attention_fn)
+  Transformer(config, mixer)   mixer: a SequenceMixer (lctx.parallel.mixer) or an attention fn
   reference_attention_fn       default plain-jnp attention plug-in
   unembed_matrix(params, config) -> [D, E]
   stack_unscanned_params(params, config)

@@ -1,8 +1,10 @@
 """Attention layers (MHA/GQA/MQA and DeepSeek-V2 MLA) and the default plug-in.
 
 The model never chooses how attention runs: each layer builds q/k/v and calls
-`attention_fn(q, k, v, *, segment_ids, positions, causal, window_size,
-softmax_scale)` (docs/contracts.md). K/V are never repeated for GQA here.
+the attention of its sequence mixer (lctx/parallel/mixer.py; a bare function
+is the mixer of every attention layer), `attend(q, k, v, *, segment_ids,
+positions, causal, window_size, softmax_scale)` (docs/contracts.md). K/V are
+never repeated for GQA here.
 
 Shapes legend (docs/contracts.md): B batch, T length, N q heads, K kv heads, G = N // K, H head dim
 (q/k), V value head dim, D d_model, R MLA rope dim, C MLA latent (kv_lora_rank),
@@ -22,8 +24,16 @@ from lctx import kernels
 from lctx.models.config import ModelConfig
 from lctx.models.layers import RMSNorm, constrain, fan_in_init, param
 from lctx.models.rope import apply_rope
+from lctx.parallel.mixer import SequenceMixer, as_mixer
 
 AttentionFn = Callable[..., jax.Array]
+
+
+def _attention_call(mixer, window_size):
+  """The mixer's call for a layer of this window (None: a full-attention layer)."""
+  return as_mixer(mixer).attention_for(
+    "full_attention" if window_size is None else "sliding_attention"
+  )
 
 
 def reference_attention_fn(
@@ -68,7 +78,7 @@ class GQAAttention(nn.Module):
   """Multi-head attention with K kv heads (K = N: MHA, 1: MQA, else GQA)."""
 
   config: ModelConfig
-  attention_fn: AttentionFn
+  mixer: SequenceMixer | AttentionFn
   window_size: int | None = None
 
   @nn.compact
@@ -99,7 +109,7 @@ class GQAAttention(nn.Module):
         c.norm_eps, c.dtype, c.param_dtype, axis_name="head_dim", name=name
       )(probe, as_function=True)
       norms = (norm("q_norm"), norm("k_norm"))
-    head_stages = getattr(self.attention_fn, "head_stages", None)
+    head_stages = as_mixer(self.mixer).head_stages
     if head_stages is not None:
       return self._by_head_stages(
         x, segment_ids, positions, (wq, wk, wv, wo), biases, norms, *head_stages(n, kh)
@@ -123,7 +133,7 @@ class GQAAttention(nn.Module):
     v = constrain(v, _KV_NAMES)
     if tag:
       q, k, v = _tag_qkv(q, k, v)
-    out = self.attention_fn(
+    out = _attention_call(self.mixer, self.window_size)(
       q,
       k,
       v,
@@ -193,11 +203,11 @@ class MLAAttention(nn.Module):
   q = [q_nope | rope(q_rope)] per head, from x directly or via a normed rank-Q
   latent. KV: x -> [latent C | shared key rope part R]; the normed latent is
   up-projected to k_nope and v per head; k = [k_nope | rope(k_rope) broadcast to
-  every head]. attention_fn sees ordinary q/k/v with K = N heads, H = nope + R.
+  every head]. The mixer's attention sees ordinary q/k/v with K = N heads, H = nope + R.
   """
 
   config: ModelConfig
-  attention_fn: AttentionFn
+  mixer: SequenceMixer | AttentionFn
   window_size: int | None = None
 
   @nn.compact
@@ -207,7 +217,7 @@ class MLAAttention(nn.Module):
     d, n, r = c.d_model, c.num_heads, c.qk_rope_head_dim
     nope, vd, lat = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
     pd, cd = c.param_dtype, c.dtype
-    if getattr(self.attention_fn, "head_stages", None) is not None:
+    if as_mixer(self.mixer).head_stages is not None:
       raise ValueError(
         "[head-chunks] TrainConfig.ulysses_stage_projections projects GQA/MHA heads; "
         "MLA layers take ulysses_head_chunks alone"
@@ -256,7 +266,7 @@ class MLAAttention(nn.Module):
     q, k = constrain(q, _Q_NAMES), constrain(k, _Q_NAMES)
     v = constrain(v, _Q_NAMES)
     q, k, v = _tag_qkv(q, k, v)
-    out = self.attention_fn(
+    out = _attention_call(self.mixer, self.window_size)(
       q,
       k,
       v,

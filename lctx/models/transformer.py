@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
   """x + attn(norm(x)), then + mlp(norm(.)). x `[B, T, D]` -> `[B, T, D]`."""
 
   config: ModelConfig
-  attention_fn: Callable
+  mixer: Callable  # a SequenceMixer (lctx/parallel/mixer.py) or an attention function
   window_size: int | None = None
   # The remat tag of the layer's input: None inside a remat group, where the
   # group tags its own input (GROUP_INNER_INPUT_NAME with remat_group_inner_inputs).
@@ -60,9 +60,7 @@ class DecoderLayer(nn.Module):
       x = tag_layer_input(x, c.layer_input_pieces, self.input_tag)
     attn_cls = MLAAttention if c.attention == "mla" else GQAAttention
     h = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="attn_norm")(x)
-    x = x + attn_cls(c, self.attention_fn, self.window_size, name="attention")(
-      h, segment_ids, positions
-    )
+    x = x + attn_cls(c, self.mixer, self.window_size, name="attention")(h, segment_ids, positions)
     x = constrain(x, _ACT)
     # The norm runs inside the MLP's sequence chunks (one chunk's float32 norm
     # and its cotangent at a time; at Llama-8B with 524,288 tokens per device
@@ -81,7 +79,7 @@ class Block(nn.Module):
   """
 
   config: ModelConfig
-  attention_fn: Callable
+  mixer: Callable
   in_group: bool = False
 
   @nn.compact
@@ -100,7 +98,7 @@ class Block(nn.Module):
       tag = LAYER_INPUT_NAME
       if self.in_group:
         tag = GROUP_INNER_INPUT_NAME if c.remat_group_inner_inputs == "offload" else None
-      x = layer_cls(c, self.attention_fn, window, input_tag=tag, name=f"layer_{i}")(
+      x = layer_cls(c, self.mixer, window, input_tag=tag, name=f"layer_{i}")(
         x, segment_ids, positions
       )
     return x, None  # (carry, per-step output) for nn.scan
@@ -155,7 +153,7 @@ def _named_policy(choices: dict[str, str]):
   )
 
 
-def _grouped_layers(c: ModelConfig, attention_fn, stacked, x, segment_ids, positions):
+def _grouped_layers(c: ModelConfig, mixer, stacked, x, segment_ids, positions):
   """Runs the scanned blocks in remat groups of remat_group_size layers.
 
   stacked: the scanned layout `{'layer_{i}': ...}` with leading axis num_repeats.
@@ -164,7 +162,7 @@ def _grouped_layers(c: ModelConfig, attention_fn, stacked, x, segment_ids, posit
   backward holds at most k layer inputs of one group at a time.
   """
   blocks = c.remat_group_size // len(c.attention_pattern)  # blocks per group
-  block = Block(c, attention_fn, in_group=True)
+  block = Block(c, mixer, in_group=True)
   outer, _ = checkpoint_policies(c)
 
   def group(x, params):  # params: leading axis `blocks`
@@ -206,10 +204,15 @@ def _init_stacked_blocks(c: ModelConfig, rng):
 
 
 class Transformer(nn.Module):
-  """Llama-family decoder; attention runs through the given plug-in."""
+  """Llama-family decoder; each layer mixes tokens through the given plug-in.
+
+  mixer: the run's `SequenceMixer` (lctx.parallel.mixer; `ContextPlan.mixer`), or
+  a bare attention function (such as `reference_attention_fn`), the mixer of
+  every attention layer.
+  """
 
   config: ModelConfig
-  attention_fn: Callable = reference_attention_fn
+  mixer: Callable = reference_attention_fn
 
   @nn.compact
   def __call__(self, inputs, positions, segment_ids, *, return_hidden: bool | str = False):
@@ -237,7 +240,7 @@ class Transformer(nn.Module):
 
     if c.scan_layers and c.remat_group_size > 1:
       stacked = self.param("layers", lambda rng: _init_stacked_blocks(c, rng))
-      x = _grouped_layers(c, self.attention_fn, stacked, x, segment_ids, positions)
+      x = _grouped_layers(c, self.mixer, stacked, x, segment_ids, positions)
     elif c.scan_layers:
       stack = nn.scan(
         Block,
@@ -247,10 +250,10 @@ class Transformer(nn.Module):
         length=c.num_repeats,
         metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      x, _ = stack(c, self.attention_fn, name="layers")(x, segment_ids, positions)
+      x, _ = stack(c, self.mixer, name="layers")(x, segment_ids, positions)
     else:
       for r in range(c.num_repeats):
-        x, _ = Block(c, self.attention_fn, name=f"layers_{r}")(x, segment_ids, positions)
+        x, _ = Block(c, self.mixer, name=f"layers_{r}")(x, segment_ids, positions)
 
     final_norm = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="final_norm")
     # Created even for return_hidden, so init with either output has every param.

@@ -6,13 +6,14 @@ reorder is `zigzag.py`; the rules each strategy enforces are `validation.py`;
 the strategy is decided in `auto.py` (`decide_strategy`, `auto`'s choice
 included; the attention buffers it sizes with are `attention_memory.py`); the
 strategies themselves are `all_gather.py`, `ulysses.py` (ulysses and usp) and
-`ring.py`, dispatched over the mesh by `context.py` (`context_attention`,
-`make_attention_fn`).
+`ring.py`, dispatched over the mesh by `context.py` (`make_attention_fn`).
+What the model calls in each layer is the `SequenceMixer` of `mixer.py`, which
+the plan builds (`ContextPlan.mixer`); `context_attention` (plan.py) runs a
+plan on natural-order arrays.
 """
 
 from lctx.parallel.context import (
   choose_strategy,
-  context_attention,
   make_attention_fn,
   validate_context_parallel,
   zigzag_inverse,
@@ -28,11 +29,13 @@ from lctx.parallel.mesh import (
   mesh_shape,
   resolve_mesh_shape,
 )
+from lctx.parallel.mixer import LAYER_TYPES, SequenceMixer, as_mixer
 from lctx.parallel.plan import (
   PLAN_STRATEGIES,
   AttentionDims,
   ContextPlan,
   KernelOptions,
+  context_attention,
   make_context_plan,
 )
 
@@ -43,6 +46,9 @@ __all__ = [
   "AttentionDims",
   "ContextPlan",
   "KernelOptions",
+  "LAYER_TYPES",
+  "SequenceMixer",
+  "as_mixer",
   "MeshConfig",
   "batch_sharding",
   "choose_strategy",

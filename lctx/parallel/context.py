@@ -1,10 +1,11 @@
 """Public entry of context parallelism: strategy dispatch over the whole mesh.
 
-- `context_attention(q, k, v, *, mesh, strategy, ...)`: global arrays in natural
-  token order in, natural order out (does the zigzag reorder itself when
-  load_balance=True). Callable inside or outside jit; differentiable.
-- `make_attention_fn(mesh, strategy, ...)`: the model plug-in (docs/contracts.md)
-  for the train step, on batches the pipeline has ALREADY put in zigzag order.
+- `make_attention_fn(mesh, strategy, ...)`: the attention call of the model's
+  mixer (docs/contracts.md) on batches the pipeline has ALREADY put in zigzag
+  order; `stage_heads` UPipe's per-stage heads. The run's `ContextPlan`
+  (plan.py) builds both, and `context_attention` (plan.py) runs a plan on
+  natural-order global arrays.
+- `zigzag_sharded`: natural <-> zigzag order of a sharded global array.
 
 Layout inside `jax.shard_map`: batch over (data, fsdp), sequence over
 (context, context_ulysses), heads over tensor (kv heads replicated over tensor
@@ -26,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from lctx.errors import ConfigError
 from lctx.kernels.options import AttentionOptions, options_from
 from lctx.parallel.all_gather import all_gather_attention_local
-from lctx.parallel.auto import AttentionDims, choose_strategy, decide_strategy
+from lctx.parallel.auto import choose_strategy
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
 from lctx.parallel.ring import ring_attention_local
 from lctx.parallel.ulysses import ulysses_attention_local, usp_attention_local
@@ -45,9 +46,9 @@ HEAD_AXIS = dict(LOGICAL_RULES)["act_heads"]
 __all__ = [
   "STRATEGIES",
   "choose_strategy",
-  "context_attention",
   "default_load_balance",
   "make_attention_fn",
+  "stage_heads",
   "validate_context_parallel",
   "zigzag_inverse",
   "zigzag_reorder",
@@ -125,10 +126,10 @@ def make_attention_fn(
   block_kv_bwd: int | None = None,
   platform: str | None = None,
   ulysses_head_chunks: int | None = None,
-  stage_projections: bool = False,
   options: AttentionOptions | None = None,
+  validated_seq_len: int | None = None,
 ):
-  """Builds the model's attention plug-in for one resolved strategy.
+  """Builds the attention call of one resolved strategy (the mixer's `attention`).
 
   The batch it sees must already be in the order the pipeline produced (zigzag
   when load balancing); positions carry the true positions, so masks are right in
@@ -141,14 +142,12 @@ def make_attention_fn(
   (its `backend`), block_q, block_kv, block_q_bwd, block_kv_bwd, sub_chunks and
   platform (not both). A platform of None means the mesh devices'.
   `ulysses_head_chunks` (ulysses / usp): run attention in this many head stages
-  (UPipe, lctx/parallel/upipe.py); None or 1: all heads at once.
-  `stage_projections` (with ulysses_head_chunks > 1): the plug-in runs every
-  head at once but carries `head_stages(num_heads, num_kv_heads)` (upipe.
-  head_stages): the model then projects q/k/v and the output one stage at a
-  time and calls the plug-in per stage (lctx/models/attention.py), so the
-  layer's whole q, attention output and their gradients never exist; K/V are
-  re-projected and re-exchanged per q stage.
-  Validation runs at trace time, before anything compiles.
+  (UPipe, lctx/parallel/upipe.py); None or 1: all heads at once. (UPipe with
+  per-stage projections is the mixer's `head_stages`: `stage_heads`.)
+  The rules of strategy, mesh and heads are checked where the plan is made
+  (`make_context_plan`); a call checks them once per new (heads, length) shape, so
+  the eval grid's other lengths are checked too, and a plan's own shape
+  (`validated_seq_len`) is not checked twice.
   """
   base = options_from(
     options,
@@ -176,147 +175,55 @@ def make_attention_fn(
     token_order=None
     if load_balance is None
     else (zigzag_ring_size(mesh_shape(mesh)) if load_balance else 0),
-    head_chunks=None if stage_projections else ulysses_head_chunks,
+    head_chunks=ulysses_head_chunks,
   )
+  checked = set()
 
   def attention_fn(
     q, k, v, *, segment_ids=None, positions=None, causal=True, window_size=None, softmax_scale=None
   ):
-    validate_context_parallel(
-      strategy=strategy,
-      mesh_shape=mesh_shape(mesh),
-      num_q_heads=q.shape[2],
-      num_kv_heads=k.shape[2],
-      seq_len=q.shape[1],
-      load_balance=bool(load_balance),
-    )
+    shape = (q.shape[2], k.shape[2], q.shape[1])
+    if shape not in checked and q.shape[1] != validated_seq_len:
+      validate_context_parallel(
+        strategy=strategy,
+        mesh_shape=mesh_shape(mesh),
+        num_q_heads=q.shape[2],
+        num_kv_heads=k.shape[2],
+        seq_len=q.shape[1],
+        load_balance=bool(load_balance),
+      )
+    checked.add(shape)
     cfg = base.with_mask(causal, window_size, softmax_scale)
     return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
 
-  if stage_projections:
-    if (ulysses_head_chunks or 1) < 2:
-      raise ConfigError(
-        "[head-chunks] ulysses_stage_projections needs ulysses_head_chunks >= 2, got "
-        f"{ulysses_head_chunks}"
-      )
-    if mesh_shape(mesh).get("tensor", 1) > 1:
-      raise ConfigError(
-        "[head-chunks] ulysses_stage_projections picks global heads per stage, so it "
-        f"needs tensor = 1; got mesh {mesh_shape(mesh)} (use ulysses_head_chunks alone)"
-      )
-    degree = mesh_shape(mesh).get("context" if strategy == "ulysses" else "context_ulysses", 1)
-    attention_fn.head_stages = functools.partial(
-      head_stages, degree=degree, stages=ulysses_head_chunks
-    )
   return attention_fn
 
 
-def context_attention(
-  q,
-  k,
-  v,
-  *,
-  mesh,
-  strategy: str,
-  segment_ids=None,
-  causal=True,
-  load_balance: bool = False,
-  window_size=None,
-  softmax_scale=None,
-  positions=None,
-  kernel_backend: str = "auto",
-  block_q: int = 512,
-  block_kv: int = 512,
-  ulysses_head_chunks: int | None = None,
-  options: AttentionOptions | None = None,
-):
-  """Context-parallel attention on global arrays in natural token order.
-
-  Args:
-    q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]`; segment_ids `[B, T]` (0 =
-    padding; None: one segment); positions `[B, T]` (None: arange), counting up
-    by one inside every segment (the pipeline's; splash masks on that order).
-    strategy: 'all_gather' | 'ulysses' | 'ring' | 'usp' | 'auto'.
-    load_balance: zigzag-reorder with ring size = context before, and undo it
-      after (the training path instead gets pre-reordered batches).
-    ulysses_head_chunks: ulysses / usp head stages (UPipe; see make_attention_fn).
-    options: the kernel settings as one AttentionOptions, instead of
-      kernel_backend / block_q / block_kv (the mask stays in causal,
-      window_size and softmax_scale).
-  Returns:
-    out `[B, T, N, V]` in natural order.
-  """
+def stage_heads(mesh, strategy: str, head_chunks: int | None):
+  """UPipe with per-stage projections (TrainConfig.ulysses_stage_projections): the
+  mixer's `head_stages(num_heads, num_kv_heads) -> (q_heads [S, N/S], kv_heads [S, M])`
+  (upipe.head_stages). The attention call then runs every head it is given at once,
+  and the model projects q/k/v and the output one stage at a time."""
+  if strategy not in ("ulysses", "usp"):
+    raise ConfigError(
+      f"[head-chunks] ulysses_stage_projections stages the ulysses all-to-all; "
+      f"strategy {strategy!r} has none"
+    )
+  if (head_chunks or 1) < 2:
+    raise ConfigError(
+      f"[head-chunks] ulysses_stage_projections needs ulysses_head_chunks >= 2, got {head_chunks}"
+    )
   shape = mesh_shape(mesh)
-  b, t, n, h = q.shape
-  if strategy == "auto":
-    dims = AttentionDims(n, k.shape[2], h, v.shape[3], bytes_per_element=q.dtype.itemsize)
-    strategy, _ = decide_strategy(
-      "auto",
-      mesh_shape=shape,
-      platform=mesh.devices.flat[0].platform,
-      dims=dims,
-      seq_len=t,
-      batch_size=b,
-      load_balance=load_balance,
+  if shape.get("tensor", 1) > 1:
+    raise ConfigError(
+      "[head-chunks] ulysses_stage_projections picks global heads per stage, so it "
+      f"needs tensor = 1; got mesh {shape} (use ulysses_head_chunks alone)"
     )
-  validate_context_parallel(
-    strategy=strategy,
-    mesh_shape=shape,
-    num_q_heads=n,
-    num_kv_heads=k.shape[2],
-    seq_len=t,
-    load_balance=load_balance,
-  )
-  fn = make_attention_fn(
-    mesh,
-    strategy,
-    kernel_backend=kernel_backend,
-    block_q=block_q,
-    block_kv=block_kv,
-    load_balance=load_balance,
-    ulysses_head_chunks=ulysses_head_chunks,
-    options=options,
-  )
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, t), jnp.int32)
-  segment_ids = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, t))
-  positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, t))
-  if not load_balance:
-    return fn(
-      q,
-      k,
-      v,
-      segment_ids=segment_ids,
-      positions=positions,
-      causal=causal,
-      window_size=window_size,
-      softmax_scale=softmax_scale,
-    )
-  ring = zigzag_ring_size(shape)
-  rows = shape.get("data", 1) * shape.get("fsdp", 1)
-  if b % rows:
-    raise ConfigError(f"[batch-divisible] batch ({b}) must be divisible by data x fsdp = {rows}")
-  # Collective permutes of each device's two half-shards (lctx.parallel.zigzag):
-  # no device ever holds more than its shard, unlike a gather of the sequence.
-  q, k, v, segment_ids, positions = (
-    _zigzag_sharded(x, mesh, ring) for x in (q, k, v, segment_ids, positions)
-  )
-  out = fn(
-    q,
-    k,
-    v,
-    segment_ids=segment_ids,
-    positions=positions,
-    causal=causal,
-    window_size=window_size,
-    softmax_scale=softmax_scale,
-  )
-  return _zigzag_sharded(out, mesh, ring, inverse=True)
+  degree = shape.get("context" if strategy == "ulysses" else "context_ulysses", 1)
+  return functools.partial(head_stages, degree=degree, stages=head_chunks)
 
 
-def _zigzag_sharded(x, mesh, ring: int, inverse: bool = False):
+def zigzag_sharded(x, mesh, ring: int, inverse: bool = False):
   """Natural -> zigzag order (inverse: back) along axis 1 of a global array
   sharded like the strategies' inputs: batch over (data, fsdp), sequence over
   the context axes, heads (axis 2 of rank-4 arrays) over tensor where they divide."""

@@ -9,7 +9,8 @@ the evals adapter (`logits_fn`), the benchmarks and the tests ask the
 
     plan = make_context_plan(mesh, dims, seq_len=..., batch_size=..., strategy="auto")
     plan.strategy, plan.load_balance, plan.ring_size, plan.platform
-    plan.attention_fn                      # the model's attention plug-in
+    plan.mixer                             # the model's sequence mixer (mixer.py)
+    plan.attention_fn                      # its full-attention call
     batch = plan.to_device_order(batch)    # host rows -> the order devices hold
     logits = plan.to_natural_order(logits) # and back (numpy or jax arrays)
 
@@ -20,18 +21,21 @@ kernel runs on whole sequences (XLA may still shard batch and heads).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from lctx.errors import ConfigError
 from lctx.kernels import cpu_fused
-from lctx.kernels.options import AttentionOptions
+from lctx.kernels.options import AttentionOptions, options_from
 from lctx.parallel import mesh as mesh_lib
 from lctx.parallel.auto import AttentionDims, decide_strategy
-from lctx.parallel.context import make_attention_fn
+from lctx.parallel.context import make_attention_fn, stage_heads, zigzag_sharded
 from lctx.parallel.local import local_attention_fn
+from lctx.parallel.mixer import SequenceMixer
 from lctx.parallel.validation import (
   PLAN_STRATEGIES,
   default_load_balance,
@@ -84,9 +88,11 @@ class ContextPlan:
     shape = mesh_lib.mesh_shape(self.mesh)
     return shape.get("context", 1) * shape.get("context_ulysses", 1)
 
-  @property
+  seq_len: int | None = None
+
+  @functools.cached_property
   def attention_fn(self) -> Callable:
-    """The model plug-in (docs/contracts.md) for batches in device order."""
+    """The full-attention call (docs/contracts.md) for batches in device order."""
     options = dataclasses.replace(self.kernel, platform=self.platform)
     if self.strategy == "none":
       return local_attention_fn(mesh=self.mesh, options=options)
@@ -95,9 +101,17 @@ class ContextPlan:
       self.strategy,
       options=options,
       load_balance=self.load_balance,
-      ulysses_head_chunks=self.head_chunks,
-      stage_projections=self.stage_projections,
+      ulysses_head_chunks=None if self.stage_projections else self.head_chunks,
+      validated_seq_len=self.seq_len,
     )
+
+  @functools.cached_property
+  def mixer(self) -> SequenceMixer:
+    """The model's sequence-mixer plug-in for this plan (lctx/parallel/mixer.py)."""
+    stages = None
+    if self.stage_projections:
+      stages = stage_heads(self.mesh, self.strategy, self.head_chunks)
+    return SequenceMixer(attention=self.attention_fn, head_stages=stages)
 
   def to_device_order(self, batch: Mapping[str, object], axis: int = 1) -> dict:
     """Natural token order -> the order the devices hold (zigzag when balancing),
@@ -177,6 +191,8 @@ def make_context_plan(
         "[head-chunks] ulysses_head_chunks / ulysses_stage_projections stage the ulysses "
         "all-to-all; strategy 'none' has none"
       )
+  elif stage_projections:
+    stage_heads(mesh, strategy, head_chunks)  # its rules, before anything compiles
   else:
     validate_context_parallel(
       strategy=strategy,
@@ -202,6 +218,89 @@ def make_context_plan(
     reason=reason,
     head_chunks=head_chunks,
     stage_projections=stage_projections,
+    seq_len=seq_len,
   )
   log.info("context plan: %s", plan.describe())
   return plan
+
+
+def context_attention(
+  q,
+  k,
+  v,
+  *,
+  mesh,
+  strategy: str,
+  segment_ids=None,
+  causal=True,
+  load_balance: bool = False,
+  window_size=None,
+  softmax_scale=None,
+  positions=None,
+  kernel_backend: str = "auto",
+  block_q: int = 512,
+  block_kv: int = 512,
+  ulysses_head_chunks: int | None = None,
+  options: AttentionOptions | None = None,
+):
+  """Context-parallel attention on global arrays in natural token order.
+
+  The keyword edge of the path the trainer takes: a `make_context_plan` for these
+  shapes (strategy resolved and validated there), the plan's attention call, and
+  the zigzag reorder of the plan's device order done here with collective
+  permutes of half-shards (never a gather of the sequence).
+
+  Args:
+    q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, V]`; segment_ids `[B, T]` (0 =
+    padding; None: one segment); positions `[B, T]` (None: arange), counting up
+    by one inside every segment (the pipeline's; splash masks on that order).
+    strategy: 'all_gather' | 'ulysses' | 'ring' | 'usp' | 'auto'.
+    load_balance: zigzag-reorder with ring size = context before, and undo it
+      after (the training path instead gets pre-reordered batches).
+    ulysses_head_chunks: ulysses / usp head stages (UPipe).
+    options: the kernel settings as one AttentionOptions, instead of
+      kernel_backend / block_q / block_kv (the mask stays in causal,
+      window_size and softmax_scale).
+  Returns:
+    out `[B, T, N, V]` in natural order.
+  """
+  b, t, n, h = q.shape
+  kernel = options_from(options, backend=kernel_backend, block_q=block_q, block_kv=block_kv)
+  dims = AttentionDims(n, k.shape[2], h, v.shape[3], bytes_per_element=q.dtype.itemsize)
+  plan = make_context_plan(
+    mesh,
+    dims,
+    seq_len=t,
+    batch_size=b,
+    strategy=strategy,
+    load_balance=load_balance,
+    kernel=kernel,
+    head_chunks=ulysses_head_chunks,
+  )
+  rows = mesh_lib.mesh_shape(mesh)
+  rows = rows.get("data", 1) * rows.get("fsdp", 1)
+  if b % rows:
+    raise ConfigError(f"[batch-divisible] batch ({b}) must be divisible by data x fsdp = {rows}")
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, t), jnp.int32)
+  segment_ids = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, t))
+  positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, t))
+  order = (q, k, v, segment_ids, positions)
+  if plan.load_balance:
+    order = tuple(zigzag_sharded(x, mesh, plan.ring_size) for x in order)
+  q, k, v, segment_ids, positions = order
+  out = plan.attention_fn(
+    q,
+    k,
+    v,
+    segment_ids=segment_ids,
+    positions=positions,
+    causal=causal,
+    window_size=window_size,
+    softmax_scale=softmax_scale,
+  )
+  if plan.load_balance:
+    out = zigzag_sharded(out, mesh, plan.ring_size, inverse=True)
+  return out

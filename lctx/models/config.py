@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lctx.models import rope
+from lctx.parallel.mixer import LAYER_TYPES
 
 ATTENTION_KINDS = ("mha_gqa", "mla")
 # Named activations (jax.ad_checkpoint.checkpoint_name) a remat policy can keep on
@@ -110,7 +111,18 @@ class ModelConfig:
   """MLA: V, per-head value width."""
   attention_pattern: tuple[int | None, ...] = (None,)
   """Window size per layer, cycled over the layers (None = global). E.g.
-    (1024,) * 5 + (None,) is Gemma's five local layers to one global."""
+    (1024,) * 5 + (None,) is Gemma's five local layers to one global. With
+    layer_types set, it is derived from them (one period of the pattern)."""
+  layer_types: tuple[str, ...] = ()
+  """What each layer mixes tokens with, one entry per layer, in Hugging Face's
+    names (LAYER_TYPES: 'full_attention', 'sliding_attention' with
+    `sliding_window`, 'linear_attention'). () : every layer is an attention layer
+    with the window attention_pattern gives it. The scanned block is the
+    shortest period of the list that divides num_layers (the whole stack when
+    none does)."""
+  sliding_window: int | None = None
+  """Window of the 'sliding_attention' layers of layer_types (keys within w
+    positions of the query, itself included)."""
   dtype: str = "float32"
   """Compute dtype of activations and matmuls ('bfloat16' for training)."""
   param_dtype: str = "float32"
@@ -163,6 +175,9 @@ class ModelConfig:
     if isinstance(custom, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in custom):
       object.__setattr__(self, "remat_custom", tuple(tuple(p) for p in custom))
     object.__setattr__(self, "rope_scaling", rope.scaling_pairs(self.rope_scaling))
+    if self.layer_types:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+      object.__setattr__(self, "attention_pattern", _pattern_of_layer_types(self))
     validate(self)
 
   @property
@@ -200,6 +215,20 @@ class ModelConfig:
 
   def window_of_layer(self, layer: int) -> int | None:
     return self.attention_pattern[layer % len(self.attention_pattern)]
+
+  @property
+  def block_layer_types(self) -> tuple[str, ...]:
+    """The layer type of each layer of the scanned block (one period)."""
+    if self.layer_types:
+      return self.layer_types[: len(self.attention_pattern)]
+    return tuple(
+      "full_attention" if w is None else "sliding_attention" for w in self.attention_pattern
+    )
+
+  def layer_type_of(self, layer: int) -> str:
+    """'full_attention' | 'sliding_attention' | 'linear_attention' of one layer."""
+    types = self.block_layer_types
+    return types[layer % len(types)]
 
   @property
   def layer_windows(self) -> tuple[int | None, ...]:
@@ -357,6 +386,10 @@ def validate(c: ModelConfig) -> None:
   for name in ("dtype", "param_dtype"):
     if getattr(c, name) not in DTYPES:
       raise ValueError(f"{name} must be one of {DTYPES}; got {getattr(c, name)!r}")
+  if c.sliding_window is not None and (
+    not isinstance(c.sliding_window, int) or c.sliding_window < 1
+  ):
+    raise ValueError(f"sliding_window must be None or an int >= 1; got {c.sliding_window!r}")
   pattern = c.attention_pattern
   if not isinstance(pattern, tuple) or not pattern:
     raise ValueError(f"attention_pattern must be a non-empty tuple; got {pattern!r}")
@@ -435,3 +468,30 @@ def param_layout(fields: Mapping[str, Any]) -> dict[str, Any]:
   layout = {name: get(name) for name in (*SHAPE_FIELDS, "param_dtype", "scan_layers")}
   layout["attention_pattern (its length)"] = len(get("attention_pattern"))
   return layout
+
+
+def _pattern_of_layer_types(c: ModelConfig) -> tuple[int | None, ...]:
+  """attention_pattern (one period of windows) for a config with layer_types;
+  raises a ValueError naming the field for a list that cannot be built."""
+  types = c.layer_types
+  bad = sorted({t for t in types if t not in LAYER_TYPES})
+  if bad:
+    raise ValueError(f"layer_types entries must be in {LAYER_TYPES}; got {bad}")
+  if len(types) != c.num_layers:
+    raise ValueError(
+      f"layer_types has {len(types)} entries; it needs one per layer (num_layers={c.num_layers})"
+    )
+  if "sliding_attention" in types and c.sliding_window is None:
+    raise ValueError("layer_types has 'sliding_attention' layers: set sliding_window")
+  period = next(
+    p
+    for p in range(1, len(types) + 1)
+    if len(types) % p == 0 and types == types[:p] * (len(types) // p)
+  )
+  derived = tuple(c.sliding_window if t == "sliding_attention" else None for t in types[:period])
+  if c.attention_pattern not in ((None,), derived):
+    raise ValueError(
+      f"set layer_types or attention_pattern, not both: attention_pattern={c.attention_pattern} "
+      f"disagrees with layer_types (whose windows are {derived})"
+    )
+  return derived

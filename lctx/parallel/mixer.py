@@ -26,7 +26,7 @@ from typing import Any
 
 from lctx.errors import ConfigError
 
-# Hugging Face's names for what a layer does along the sequence (config.layer_types).
+# Hugging Face's names for what a layer does along the sequence (ModelConfig.layer_types).
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 AttentionFn = Callable[..., Any]

@@ -5,7 +5,7 @@ per-element coefficient (memory_model.COEFFICIENTS). This script compiles small
 Llama-shaped models (FIT_CASES: d_model 256-1024, head dim 32-128, 2-4 layers,
 16K-32K tokens; remat groups of 1 / 2 / 4, offloaded layer inputs, loss chunks
 of 256-4096 tokens per device) on compile-only `v5p:2x2x1` / `tpu7x:2x2x1`
-devices with `lctx.sizing.tpu.compile_step`, for both attention kernels (blockwise
+devices with `lctx.sizing.compile.compile_step`, for both attention kernels (blockwise
 and splash) and all four strategies, caches each compiled record in
 bench_results/fit_memory_model.json (keyed by the case; a case compiled from
 other sources is reported as stale and recompiled with --refresh), adds the
@@ -51,9 +51,9 @@ from lctx import hardware, models  # noqa: E402
 from lctx import train as train_lib  # noqa: E402
 from lctx.parallel import attention_memory  # noqa: E402
 from lctx.parallel.mesh import MeshConfig  # noqa: E402
+from lctx.sizing import compile as compile_lib  # noqa: E402
 from lctx.sizing import memory_model as mm  # noqa: E402
 from lctx.sizing import planner  # noqa: E402
-from lctx.sizing import tpu as compile_lib  # noqa: E402
 from lctx.trainer import TrainConfig  # noqa: E402
 
 GiB = 2**30

@@ -26,6 +26,7 @@ from lctx.parallel import auto  # noqa: E402
 from lctx.parallel.mesh import MeshConfig  # noqa: E402
 from lctx.sizing import memory_model as mm  # noqa: E402
 from lctx.sizing import planner  # noqa: E402
+from lctx.sizing import tpu as tpu_lib  # noqa: E402
 from lctx.trainer import TrainConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -556,7 +557,7 @@ def _compile(exp, topology):
   """compile_step's record, at the matmul precision Mosaic (splash) accepts."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  from lctx.sizing import tpu as compile_lib  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
   # Mosaic (splash) takes bf16 matmuls at default precision only; conftest sets 'highest'.
   with jax.default_matmul_precision("default"):
@@ -883,7 +884,7 @@ def test_planner_predicts_the_strategy_the_run_takes(model, topology, mesh, gib,
     attention_block_q=512,
     attention_block_kv=512,
   )
-  run_mesh = mesh_lib.make_mesh(exp.mesh, devices=devices_lib.topology_devices(topology))
+  run_mesh = mesh_lib.make_mesh(exp.mesh, devices=tpu_lib.topology_devices(topology))
   ran = Trainer(exp.model, exp.train, run_mesh).plan.strategy
   setup, why = planner.configured_setup(
     exp, planner.model_dims(exp.model), hardware.parse_target(topology)

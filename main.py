@@ -145,7 +145,7 @@ def _run(experiment, target, workdir):
 
 
 def _compile(experiment, target, workdir):
-  from lctx.sizing import tpu  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
   topology = FLAGS.compile_topology or target
   if not topology:
@@ -155,7 +155,7 @@ def _compile(experiment, target, workdir):
       fix="Pass --compile_topology=v5p:4x4x4 (a TPU slice) or =h100x8 (a GPU node), "
       "or set COMPILE_TOPOLOGY = '...' in the gin file.",
     )
-  record = tpu.run_compile(
+  record = compile_lib.run_compile(
     experiment,
     workdir,
     topology=topology,

@@ -18,6 +18,7 @@ tried. All processes agree on the outcome of every attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -33,6 +34,17 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from lctx.models.config import param_layout
+
+
+def experiment_meta(exp) -> dict[str, Any]:
+  """The meta item a checkpoint of `exp` (an lctx.configs.Experiment) is
+  written with and compared against: {'model': ModelConfig fields (must agree
+  where they fix the parameter tree), 'run': {'train': ..., 'data': ...} (a
+  change is logged)}."""
+  return {
+    "model": dataclasses.asdict(exp.model),
+    "run": {"train": dataclasses.asdict(exp.train), "data": dataclasses.asdict(exp.data)},
+  }
 
 
 class CheckpointMismatchError(ValueError):

@@ -26,8 +26,6 @@ def run_export_hf(
 ) -> dict:
   """Writes checkpoint `step` (default: the latest) of `workdir` to `export_dir`.
   Returns {'step', 'export_dir', 'files'}."""
-  from lctx import train as train_lib  # pylint: disable=g-import-not-at-top  (imports us)
-
   if not export_dir:
     raise ValueError("--mode=export_hf needs --export_dir (the Hugging Face directory to write)")
   if dtype not in ("bfloat16", "float32"):
@@ -45,7 +43,7 @@ def run_export_hf(
     elif step not in steps:
       raise ValueError(f"--export_step={step}: {checkpointer.directory} has steps {steps}")
     trainer = Trainer(exp.model, exp.train, mesh_lib.make_mesh(exp.mesh))
-    state, _ = checkpointer.restore(step, trainer.abstract_state, train_lib._meta(exp))
+    state, _ = checkpointer.restore(step, trainer.abstract_state, ckpt_lib.experiment_meta(exp))
   finally:
     checkpointer.close()
   files = hf.save_pretrained(export_dir, exp.model, state["params"], dtype=dtype)

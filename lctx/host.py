@@ -2,9 +2,9 @@
 
 On the CPU backend every device buffer and every per-step temporary is host
 `malloc` memory. glibc serves large requests with fresh `mmap`s and unmaps them
-on free, so each train step page-faults its temporaries in again: on the
-MaxText peer benchmark (gin/bench/maxtext_cpu_peer.gin, 8 fake devices on 2
-cores) that was ~127,000 minor faults and ~0.24 s of kernel time per 1 s step.
+on free, so each train step page-faults its temporaries in again (on the
+MaxText peer benchmark, gin/bench/maxtext_cpu_peer.gin, a large share of each
+step went to kernel time: docs/benchmarks.md, "Figures moved from code comments").
 `keep_freed_memory` makes glibc reuse freed memory instead, the way an
 accelerator runtime keeps a memory pool: the process keeps its peak footprint.
 """

@@ -33,8 +33,7 @@ def cross_entropy(
 
   The final norm runs inside the loss chunks (chunked_cross_entropy's
   prologue): applied to the whole sequence, its float32 cotangent would be one
-  [T, D] f32 value at the top of the backward pass (8 GiB per device at
-  Llama-8B, 524,288 tokens per device).
+  [T, D] f32 value at the top of the backward pass (T: all the device's tokens).
 
   Under plain SPMD the chunks of the flattened global tokens would each lie on
   one device, and XLA would run every chunk on all devices with d_model split and the

@@ -105,7 +105,8 @@ def check_target(
 
 # libtpu 0.0.42.1 aborts the whole process (llo_loop.cc:165, no Python error)
 # compiling a layer scan that offloads one value of this many elements or more
-# per device (measured: Llama-8B at 524,288 tokens per device on v5p:4x4x4).
+# per device (the case it was found on: docs/benchmarks.md, "Figures moved from
+# code comments").
 OFFLOAD_ELEMENT_LIMIT = 2**31
 
 

@@ -9,7 +9,7 @@
   train_and_eval  train, then evaluate;
   inspect_data    print packing statistics of the training stream.
 main.py dispatches the other modes to their own entry points: compile
-(lctx/sizing/tpu.py run_compile), plan (lctx/sizing/planner.py run_plan) and
+(lctx/sizing/compile.py run_compile), plan (lctx/sizing/planner.py run_plan) and
 export_hf (lctx/export.py run_export_hf).
 """
 
@@ -69,14 +69,6 @@ def make_data_iterator(exp: Experiment, trainer: Trainer | None, split: str, see
     process_count=jax.process_count(),
     batch_transform=transform,
   )
-
-
-def _meta(exp: Experiment) -> dict[str, Any]:
-  """What a checkpoint must agree with (model) or is compared with (run)."""
-  return {
-    "model": dataclasses.asdict(exp.model),
-    "run": {"train": dataclasses.asdict(exp.train), "data": dataclasses.asdict(exp.data)},
-  }
 
 
 # ----------------------------------------------------------------------------
@@ -249,7 +241,9 @@ def train_loop(
       )
       window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
     if preempted:
-      checkpointer.save(step, state, train_iter.get_state(), _meta(exp), wait=True)
+      checkpointer.save(
+        step, state, train_iter.get_state(), ckpt_lib.experiment_meta(exp), wait=True
+      )
       logging.warning(
         "Preempted: stopped at step %d of %d with a checkpoint in %s; run again to resume.",
         step,
@@ -271,7 +265,7 @@ def train_loop(
       writer.write(step, results)
       logging.info("step %d | retrieval %s", step, _summary(results))
     if checkpointer.should_save(step, final=last):
-      checkpointer.save(step, state, train_iter.get_state(), _meta(exp))
+      checkpointer.save(step, state, train_iter.get_state(), ckpt_lib.experiment_meta(exp))
       t_window = time.perf_counter()  # do not bill the save to throughput
   # The last step ran the held-out loss (if eval_every) and the retrieval
   # evals (if configured); train_and_eval need not repeat them.
@@ -283,7 +277,7 @@ def start_state(exp: Experiment, trainer: Trainer, checkpointer, train_iter, mod
   the workdir's latest checkpoint (resume), else TrainConfig.init_params_from
   (step 0, fresh optimizer state), else random initialisation (not for eval)."""
   source = exp.train.init_params_from
-  restored = checkpointer.restore_latest(trainer.abstract_state, _meta(exp))
+  restored = checkpointer.restore_latest(trainer.abstract_state, ckpt_lib.experiment_meta(exp))
   if restored is not None:
     latest, state, data_state = restored
     if data_state:

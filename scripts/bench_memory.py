@@ -19,7 +19,7 @@ blocks of 2,048), as the TPU gin files use.
 
 Compiled results are cached in bench_results/bench_memory_cache.json, keyed by
 a hash of the operative config (model, train, mesh), the topology and the
-sources that shape the step (lctx.compile.code_hash), so a rerun compiles only the cells
+sources that shape the step (lctx.sizing.compile.code_hash), so a rerun compiles only the cells
 whose config or code changed. A full-size compile takes
 minutes and several GiB on 2 cores: run it under the shared lock, and pick
 cells with --only / --lengths / --strategies / --topologies; --planner_only
@@ -48,8 +48,8 @@ sys.path.insert(0, ROOT)
 import gin  # noqa: E402
 
 from lctx import configs, gin_utils, hardware  # noqa: E402
+from lctx.sizing import compile as compile_lib  # noqa: E402
 from lctx.sizing import devices, planner  # noqa: E402
-from lctx.sizing import tpu as compile_lib  # noqa: E402
 
 GiB = 2**30
 GIN_FILES = ("gin/runs/tpu_pg19.gin", "gin/models/llama3_8b.gin")

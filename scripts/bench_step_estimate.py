@@ -5,7 +5,7 @@ r"""The step-time estimate of `--mode=compile` against a measured CPU step.
 
 Compiles the experiment's train step for this machine's CPU devices, counts its
 FLOPs and bytes from the compiled HLO as `--mode=compile` does
-(`lctx.compile.step_figures`: dense matmuls + attention from the kernels' block
+(`lctx.sizing.compile.step_figures`: dense matmuls + attention from the kernels' block
 maps, loops at their trip counts), and takes as peak the 2048^3 matmul measured
 in the same run, shared by the fake devices (as the trainer's MFU does). Then
 times `--steps` steps on random-token batches of the experiment's shape and
@@ -39,8 +39,8 @@ def main(_):
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from lctx import hardware, metrics  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from lctx.sizing import hlo_flops  # pylint: disable=g-import-not-at-top
-  from lctx.sizing import tpu as compile_lib  # pylint: disable=g-import-not-at-top
 
   exp, trainer, state = bench_setup.trainer_for(FLAGS.gin_file, FLAGS.gin_param)
   b, t = exp.train.batch_size, exp.train.seq_len

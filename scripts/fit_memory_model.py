@@ -5,14 +5,15 @@ per-element coefficient (memory_model.COEFFICIENTS). This script compiles small
 Llama-shaped models (FIT_CASES: d_model 256-1024, head dim 32-128, 2-4 layers,
 16K-32K tokens; remat groups of 1 / 2 / 4, offloaded layer inputs, loss chunks
 of 256-4096 tokens per device) on compile-only `v5p:2x2x1` / `tpu7x:2x2x1`
-devices with `lctx.sizing.tpu.compile_step`, for both attention kernels (blockwise
+devices with `lctx.sizing.compile.compile_step`, for both attention kernels (blockwise
 and splash) and all four strategies, caches each compiled record in
 bench_results/fit_memory_model.json (keyed by the case; a case compiled from
 other sources is reported as stale and recompiled with --refresh), adds the
 full-size Llama-3.1-8B figures measured with `--mode=compile`
 (lctx/sizing/full_size_compiles.json: the flagship gin files, fitted, and
 gin/long_v5p.gin, reported, not fitted; `--record=GIN_FILE=WORKDIR` adds a
-compile.json), and fits the coefficients by bounded least squares on the
+compile.json and rewrites that gin file's `# Figures` header line and README's
+table from the records: scripts/write_gin_figures.py), and fits the coefficients by bounded least squares on the
 relative error (est / compiled - 1; Gauss-Newton rounds, since the offload
 term multiplies the attention ones; LOWER floors). It prints each case's
 compiled and fitted figures and the coefficient table (--write writes it to
@@ -51,10 +52,13 @@ from lctx import hardware, models  # noqa: E402
 from lctx import train as train_lib  # noqa: E402
 from lctx.parallel import attention_memory  # noqa: E402
 from lctx.parallel.mesh import MeshConfig  # noqa: E402
+from lctx.sizing import compile as compile_lib  # noqa: E402
 from lctx.sizing import memory_model as mm  # noqa: E402
 from lctx.sizing import planner  # noqa: E402
-from lctx.sizing import tpu as compile_lib  # noqa: E402
 from lctx.trainer import TrainConfig  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import write_gin_figures  # noqa: E402
 
 GiB = 2**30
 MiB = 2**20
@@ -251,9 +255,12 @@ FIT_CASES = _cases_for("blockwise") + _cases_for("splash") + GROUP_CASES + LOSS_
 # --compile_topology=T` (memory_analysis total per device, GiB), one record per
 # gin file in lctx/sizing/full_size_compiles.json, which
 # `--record=GIN_FILE=WORKDIR` writes from a compile's compile.json. "fitted": false rows (gin/long_v5p.gin,
-# remat groups and offload) are reported, not fitted. The gin headers state the
-# same figures (tests/test_planner.py checks that they agree).
+# remat groups and offload) are reported, not fitted; "fitted": null rows are
+# recorded for their figures alone (the planner neither fits nor checks them).
+# The file is the figures' one home: --record rewrites the gin file's `# Figures`
+# header line and README's table from it (scripts/write_gin_figures.py).
 FULL_SIZE_FILE = os.path.join(ROOT, "lctx", "sizing", "full_size_compiles.json")
+FIGURES_ROOT = ROOT  # where --record rewrites the gin header and README
 
 
 def full_size_records() -> dict[str, dict]:
@@ -285,23 +292,36 @@ def record_full_size(gin_file: str, workdir: str) -> dict:
       f"{path}: not a train-step compile that fits (fits {rec.get('fits')}, "
       f"step {rec.get('step')}); only those are full-size records."
     )
-  gin_file = os.path.relpath(os.path.abspath(gin_file), ROOT)
-  if not os.path.isfile(os.path.join(ROOT, gin_file)):
+  gin_file = os.path.relpath(os.path.abspath(gin_file), FIGURES_ROOT)
+  if not os.path.isfile(os.path.join(FIGURES_ROOT, gin_file)):
     raise ValueError(f"--record: no gin file {gin_file}")
   records = full_size_records()
   old = records.get(gin_file, {})
+  per_device = rec["per_device"]
   records[gin_file] = {
     "topology": rec["topology"],
     "kernel": rec["attention_backend"],
-    "total_gib": round(rec["per_device"]["total_bytes"] / GiB, 2),
+    "total_gib": round(per_device["total_bytes"] / GiB, 2),
     "fitted": old.get("fitted", True),
     "libtpu_version": rec.get("libtpu_version"),
+    "devices": rec.get("devices"),
+    "strategy": rec.get("strategy"),
+    "tokens_per_step": rec.get("tokens_per_step"),
+    "hbm_gib": round(rec["hbm_bytes_per_device"] / GiB, 2),
+    "host_gib": round((per_device.get("host_bytes") or 0) / GiB, 2),
+    "total_flops": rec.get("total_flops_per_device"),
+    "recompute_ratio": rec.get("recompute_ratio"),
+    "step_seconds_estimate": rec.get("step_seconds_estimate"),
+    "date": rec.get("date"),
+    "jax_version": rec.get("jax_version"),
   }
   with open(FULL_SIZE_FILE, "w") as f:
     f.write("{\n")
     rows = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in records.items()]
     f.write(",\n".join(rows) + "\n}\n")
   print(f"wrote {gin_file} ({records[gin_file]['total_gib']} GiB) to {FULL_SIZE_FILE}")
+  for name in write_gin_figures.write([gin_file], root=FIGURES_ROOT, records=records):
+    print(f"wrote its figures to {name}")
   return records[gin_file]
 
 

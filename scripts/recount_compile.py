@@ -5,7 +5,7 @@ r"""Recount a kept `--mode=compile` program: FLOPs, bytes and step-time estimate
       --dump_dir=/tmp/dump --compile_json=<workdir>/compile.json
 
 Reads the optimised HLO the compile left in the dump directory and rewrites the
-counting keys of compile.json (lctx.compile.step_figures) with the current
+counting keys of compile.json (lctx.sizing.compile.step_figures) with the current
 lctx/sizing/hlo_flops.py, without compiling again (a full-size compile takes minutes).
 """
 
@@ -31,8 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main(_):
   from lctx import configs, gin_utils  # pylint: disable=g-import-not-at-top
   from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from lctx.sizing import hlo_flops  # pylint: disable=g-import-not-at-top
-  from lctx.sizing import tpu as compile_lib  # pylint: disable=g-import-not-at-top
 
   paths = glob.glob(os.path.join(FLAGS.dump_dir, "*train_step*.after_optimizations.txt"))
   if len(paths) != 1:

@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from lctx import configs, gin_utils, hardware, kernels  # noqa: E402
 from lctx.parallel import mesh as mesh_lib  # noqa: E402
-from lctx.sizing import tpu as compile_lib  # noqa: E402
+from lctx.sizing import compile as compile_lib  # noqa: E402
+from lctx.sizing import tpu as tpu_lib  # noqa: E402
 from lctx.trainer import Trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,7 +145,7 @@ def test_tpu_gin_file_compiles_for_its_kind(path, tmp_path, capsys):
     d["argument_bytes"] + d["output_bytes"] - d["alias_bytes"] + d["temp_bytes"]
   )
   # Arguments hold this device's shards of the train state (params, Adam moments).
-  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices(topology))
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=tpu_lib.topology_devices(topology))
   state = Trainer(exp.model, exp.train, mesh).abstract_state
   state_bytes = sum(
     math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
@@ -224,7 +225,7 @@ def test_tpu_gin_file_mesh_matches_its_slice(path):
 def test_hbm_table_is_what_the_compiler_enforces(kind):
   """An oversized program's RESOURCE_EXHAUSTED names the HBM per device; the
   hardware table must hold that figure."""
-  devices = compile_lib.topology_devices(kind)
+  devices = tpu_lib.topology_devices(kind)
   sharding = NamedSharding(Mesh(devices[:1], ("x",)), P())
   x = jax.ShapeDtypeStruct((300_000,), jnp.float32, sharding=sharding)
   outer_sorted = jax.jit(lambda x: jnp.sort(x[:, None] * x[None, :], axis=0)[0])
@@ -243,7 +244,7 @@ def test_the_compiler_enforces_memory_analysis_not_the_buffer_assignment():
   own out-of-memory check counts that figure: arguments + heap fit the 95.74
   GiB, memory_analysis' total does not, and the compile is refused with it.
   (At 524,288 rows it compiles: temp 32.00 GiB against a 28.00 GiB heap.)"""
-  devices = compile_lib.topology_devices("v5p:2x2x1")
+  devices = tpu_lib.topology_devices("v5p:2x2x1")
   sharding = NamedSharding(Mesh(devices[:1], ("x",)), P())
 
   def grad_of_scan(x, w):
@@ -320,7 +321,7 @@ def test_attention_backend_is_read_from_the_compiled_module():
 def test_auto_takes_the_tpu_kernel_for_tpu_devices():
   """`auto` decides by the platform the call compiles for, not by this host's
   default backend (CPU here): splash on TPU devices."""
-  devices = compile_lib.topology_devices("v5p:2x2x1")
+  devices = tpu_lib.topology_devices("v5p:2x2x1")
   sharding = NamedSharding(Mesh(devices[:1], ("x",)), P())
   q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16, sharding=sharding)
   kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16, sharding=sharding)
@@ -349,7 +350,7 @@ def test_auto_never_takes_the_cpu_kernel_on_a_tpu_mesh():
       "TrainConfig.context_parallel_strategy = 'auto'",
     ],
   )
-  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices("v5p:2x2x1"))
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=tpu_lib.topology_devices("v5p:2x2x1"))
   trainer = Trainer(exp.model, exp.train, mesh)
   assert jax.default_backend() == "cpu" and trainer.plan.platform == "tpu"
   assert trainer.strategy == "none"
@@ -371,7 +372,7 @@ def test_auto_strategy_is_sized_with_the_kernel_of_the_mesh(monkeypatch):
   )
   dims = plan_lib.AttentionDims(num_q_heads=8, num_kv_heads=8, head_dim=128, v_head_dim=128)
   cfg = mesh_lib.MeshConfig(context=4)
-  for devices in (compile_lib.topology_devices("v5p:2x2x1"), jax.devices()[:4]):
+  for devices in (tpu_lib.topology_devices("v5p:2x2x1"), jax.devices()[:4]):
     plan = plan_lib.make_context_plan(
       mesh_lib.make_mesh(cfg, devices=devices), dims, seq_len=4096, batch_size=1
     )
@@ -382,7 +383,7 @@ def test_auto_strategy_is_sized_with_the_kernel_of_the_mesh(monkeypatch):
 def test_slices_are_data_parallel_over_dcn():
   """Two slices: the data axis crosses them, every other axis stays inside one."""
   exp = _experiment("gin/ring_v5p.gin", ["MeshConfig.fsdp = 1", "MeshConfig.context = 4"])
-  devices = compile_lib.topology_devices("v5p:2x2x1", num_slices=2)
+  devices = tpu_lib.topology_devices("v5p:2x2x1", num_slices=2)
   cfg, note = compile_lib._mesh_config(exp, "v5p:2x2x1", 2)  # pylint: disable=protected-access
   assert cfg.dcn_data == 2 and "dcn_data = 2" in note
   mesh = mesh_lib.make_mesh(cfg, devices=devices)
@@ -395,12 +396,12 @@ def test_slices_are_data_parallel_over_dcn():
 
 
 def test_without_libtpu_it_says_how_to_install_it(monkeypatch):
-  real = devices_lib.importlib.util.find_spec
+  real = tpu_lib.importlib.util.find_spec
   monkeypatch.setattr(
-    devices_lib.importlib.util, "find_spec", lambda n: None if n == "libtpu" else real(n)
+    tpu_lib.importlib.util, "find_spec", lambda n: None if n == "libtpu" else real(n)
   )
   with pytest.raises(RuntimeError, match=re.escape("pip install -e '.[tpu]'")):
-    compile_lib.topology_devices("v5p:2x2x1")
+    tpu_lib.topology_devices("v5p:2x2x1")
 
 
 def test_without_the_cuda_plugin_it_says_how_to_install_it(monkeypatch):

@@ -1,7 +1,7 @@
-"""Compile-only H100 devices (lctx.compile_gpu): needs the CUDA plugin, not a GPU.
+"""Compile-only H100 devices (lctx.sizing.gpu): needs the CUDA plugin, not a GPU.
 
 Skipped where jax-cuda12-plugin is not installed (the default environment);
-see `lctx.compile_gpu.install_hint()`.
+see `lctx.sizing.gpu.install_hint()`.
 """
 
 import json
@@ -94,10 +94,10 @@ def _experiment(params):
 
 
 def test_compile_mode_on_a_gpu_node(tmp_path, capsys):
-  from lctx.sizing import tpu  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
   exp = _experiment([*_TINY, "TrainConfig.seq_len = 16384"])
-  record = tpu.run_compile(exp, str(tmp_path), topology="h100x8")
+  record = compile_lib.run_compile(exp, str(tmp_path), topology="h100x8")
   saved = json.loads((tmp_path / "compile.json").read_text())
   assert saved["fits"] is True and saved["devices"] == 8 and saved["devices_per_chip"] == 1
   assert saved["device_kind"] == "NVIDIA H100 80GB HBM3" and saved["strategy"] == "ulysses"

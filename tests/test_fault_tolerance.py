@@ -300,7 +300,9 @@ def test_too_many_non_finite_steps_stop_with_the_last_good_checkpoint(
   assert _steps(workdir) == [3]
   checkpointer = ckpt_lib.Checkpointer(workdir, save_every=3, keep=3, async_save=False)
   trainer = Trainer(exp.model, exp.train, mesh_lib.make_mesh(exp.mesh))
-  step, state, _ = checkpointer.restore_latest(trainer.abstract_state, train_lib._meta(exp))
+  step, state, _ = checkpointer.restore_latest(
+    trainer.abstract_state, ckpt_lib.experiment_meta(exp)
+  )
   checkpointer.close()
   assert step == 3
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state["params"])))
@@ -379,7 +381,9 @@ def test_a_missing_state_directory_is_corrupt_too(reference, tmp_path):
   exp = _experiment()
   trainer = Trainer(exp.model, exp.train, mesh_lib.make_mesh(exp.mesh))
   checkpointer = ckpt_lib.Checkpointer(workdir, save_every=3, keep=3, async_save=False)
-  step, _, data_state = checkpointer.restore_latest(trainer.abstract_state, train_lib._meta(exp))
+  step, _, data_state = checkpointer.restore_latest(
+    trainer.abstract_state, ckpt_lib.experiment_meta(exp)
+  )
   checkpointer.close()
   assert step == 3 and data_state["served"] == 3
 

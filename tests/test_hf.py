@@ -322,7 +322,7 @@ def test_export_mode_writes_a_checkpoint_transformers_runs(tmp_path):
 
   states = {s: random_state(s) for s in (3, 7)}
   for step, state in states.items():
-    checkpointer.save(step, state, {}, train_lib._meta(exp), wait=True)
+    checkpointer.save(step, state, {}, ckpt_lib.experiment_meta(exp), wait=True)
   checkpointer.close()
   from lctx import export  # pylint: disable=g-import-not-at-top
 

@@ -23,8 +23,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
+from lctx.sizing import compile as compile_lib  # noqa: E402
 from lctx.sizing import hlo_flops  # noqa: E402
-from lctx.sizing import tpu as compile_lib  # noqa: E402
+from lctx.sizing import tpu as tpu_lib  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_compile import SMALL_SLICE, TINY, _experiment  # noqa: E402
@@ -43,7 +44,7 @@ def _tpu_matmul_precision():
 
 @pytest.fixture(scope="module")
 def device():
-  return compile_lib.topology_devices("v5p:2x2x1")[0]
+  return tpu_lib.topology_devices("v5p:2x2x1")[0]
 
 
 def _count(device, f, *shapes):
@@ -271,7 +272,7 @@ def test_tiny_train_step_does_at_least_six_flops_per_parameter_and_token(tmp_pat
   from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
 
-  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices(topology))
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=tpu_lib.topology_devices(topology))
   params = Trainer(exp.model, exp.train, mesh).abstract_state["params"]
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   weights = sum(

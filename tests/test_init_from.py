@@ -81,7 +81,9 @@ def _checkpoint_params(workdir, exp):
   trainer = Trainer(exp.model, exp.train, mesh_lib.make_mesh(exp.mesh))
   checkpointer = ckpt_lib.Checkpointer(workdir, save_every=0, keep=3, async_save=False)
   try:
-    step, state, _ = checkpointer.restore_latest(trainer.abstract_state, train_lib._meta(exp))
+    step, state, _ = checkpointer.restore_latest(
+      trainer.abstract_state, ckpt_lib.experiment_meta(exp)
+    )
   finally:
     checkpointer.close()
   return step, jax.device_get(state["params"])

@@ -34,7 +34,8 @@ from lctx.parallel import context_attention, make_attention_fn  # noqa: E402
 from lctx.parallel import mesh as mesh_lib  # noqa: E402
 from lctx.parallel.local import local_attention_fn  # noqa: E402
 from lctx.parallel.zigzag import zigzag_reorder  # noqa: E402
-from lctx.sizing import tpu as compile_lib  # noqa: E402
+from lctx.sizing import compile as compile_lib  # noqa: E402
+from lctx.sizing import tpu as tpu_lib  # noqa: E402
 from lctx.trainer import TrainConfig, Trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -394,7 +395,7 @@ def _compiled_train_step(path, monkeypatch):
   gin.clear_config()
   assert exp.train.attention_backend == "auto", f"{path} pins a kernel; 'auto' must take splash"
   _no_blockwise(monkeypatch)
-  mesh = mesh_lib.make_mesh(exp.mesh, devices=compile_lib.topology_devices(topology))
+  mesh = mesh_lib.make_mesh(exp.mesh, devices=tpu_lib.topology_devices(topology))
   return Trainer(exp.model, exp.train, mesh).lower_train_step().compile().as_text()
 
 
@@ -441,7 +442,7 @@ def test_strategy_none_compiles_with_splash_for_tpu(monkeypatch):
     dtype="bfloat16",
   )
   train = TrainConfig(batch_size=4, seq_len=1024, context_parallel_strategy="none")
-  devices = compile_lib.topology_devices("v5p:2x2x1")
+  devices = tpu_lib.topology_devices("v5p:2x2x1")
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, context=1), devices=devices)
   trainer = Trainer(cfg, train, mesh)
   assert trainer.plan.strategy == "none"
@@ -455,7 +456,7 @@ def test_splash_compiles_for_tpu_under_highest_precision(dtype):
   """A user's default_matmul_precision('highest') used to reach Mosaic as fp32
   contract precision on bf16 operands ('Bad lhs type'): bf16 kernels are traced
   at the default precision (nothing lost: f32 accumulation), f32 keep 'highest'."""
-  mesh = jax.sharding.Mesh(compile_lib.topology_devices("v5p:2x2x1")[:1], ("x",))
+  mesh = jax.sharding.Mesh(tpu_lib.topology_devices("v5p:2x2x1")[:1], ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def grads(q, k, v):
@@ -477,7 +478,7 @@ def test_splash_compiles_for_tpu_under_highest_precision(dtype):
 def _splash_grads_for_tpu(t: int):
   """Compiles the gradient of one splash call on `t` tokens (1,024-token blocks)
   for one v5p device."""
-  mesh = jax.sharding.Mesh(compile_lib.topology_devices("v5p:2x2x1")[:1], ("x",))
+  mesh = jax.sharding.Mesh(tpu_lib.topology_devices("v5p:2x2x1")[:1], ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   x = jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16, sharding=sharding)
 

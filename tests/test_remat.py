@@ -185,11 +185,11 @@ def _tpu_memory(
   policy, group=1, custom=(), config=TPU, seq_len=TOKENS_PER_DEVICE, compile_step=True
 ):
   from lctx.parallel import mesh as mesh_lib
-  from lctx.sizing import tpu as compile_lib
+  from lctx.sizing import tpu as tpu_lib
   from lctx.trainer import TrainConfig, Trainer
 
   try:
-    devices = compile_lib.topology_devices("v5p:2x2x1")
+    devices = tpu_lib.topology_devices("v5p:2x2x1")
   except RuntimeError as err:  # libtpu missing
     pytest.skip(str(err))
   cfg = dataclasses.replace(
@@ -283,11 +283,11 @@ def test_tpu_qkv_offload_and_group_device_temp():
 def test_tpu_state_offload_moves_arguments_to_host():
   small = dataclasses.replace(TPU, num_layers=2, d_model=128, remat_policy="full")
   from lctx.parallel import mesh as mesh_lib
-  from lctx.sizing import tpu as compile_lib
+  from lctx.sizing import tpu as tpu_lib
   from lctx.trainer import TrainConfig, Trainer
 
   try:
-    devices = compile_lib.topology_devices("v5p:2x2x1")
+    devices = tpu_lib.topology_devices("v5p:2x2x1")
   except RuntimeError as err:  # libtpu missing
     pytest.skip(str(err))
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, context=1), devices=devices)

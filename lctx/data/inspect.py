@@ -105,8 +105,8 @@ def inspect_data(
   start of row 0 with '‖[seg s @pos p]' at each segment boundary.
 
   num_batches: read exactly this many; None reads until fill_ratio is known to
-  +-0.005 (95%), see read_until_stable (one batch's fill varies by ~0.02 on the
-  default corpus, so that takes ~80 batches of 8 rows).
+  +-0.005 (95%), see read_until_stable (how many batches that takes on the
+  default corpus: docs/benchmarks.md, "Figures moved from code comments").
   json_path: also write the record of the module docstring there.
   """
   tokenizer = make_tokenizer(config.tokenizer, config.tokenizer_model_path)

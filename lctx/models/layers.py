@@ -81,9 +81,10 @@ def rms_norm(x, scale, eps):
   bf16; the result is float32 and dx comes back in x's dtype).
 
   The same math as `x * rsqrt(mean(x^2) + eps) * scale` under autodiff, with
-  every sum written as a matmul against a ones vector: XLA CPU ran the
+  every sum written as a matmul against a ones vector: XLA CPU runs the
   reductions of the autodiff version (mean over D, and the scale gradient's
-  sum over tokens) ~7x slower than the whole norm takes this way. The matmuls
+  sum over tokens) several times slower than the whole norm takes this way
+  (docs/benchmarks.md, "Figures moved from code comments"). The matmuls
   run at HIGHEST precision: TPU and GPU would otherwise round f32 to bf16/TF32.
   The backward keeps x in its own dtype and 1/rms, not the float32 normalised
   x: at Llama-8B with 524,288 tokens per device that is a 4 GiB bf16 value

@@ -1,12 +1,15 @@
 """Will it fit, and how long will a step take: everything that sizes a run.
 
 Where things are:
-  devices.py        compile-only TPU slices (libtpu) and GPU nodes (the CUDA
-                    plugin); the environment those libraries read, set once;
-  tpu.py            `--mode=compile`: the train (or eval) step compiled for a
-                    named slice or node, its memory_analysis, FLOPs and
-                    step-time figures, written to compile.json (`run_compile`);
-  gpu.py            the GPU node specs the CUDA plugin compiles for;
+  compile.py        `--mode=compile`: the train (or eval) step compiled for a
+                    named TPU slice or GPU node (`compile_devices`), its
+                    memory_analysis, FLOPs and step-time figures, written to
+                    compile.json (`run_compile`);
+  tpu.py            compile-only TPU slices (libtpu: `topology_devices`);
+  gpu.py            compile-only GPU nodes (the CUDA plugin: the GPU specs it
+                    compiles for, `gpu_topology_devices`);
+  devices.py        the environment those two libraries read, set once
+                    (`compile_only_env`);
   hlo_flops.py      FLOPs and collective bytes counted from optimised HLO;
   memory_model.py   the analytic per-device memory of one train step
                     (coefficients: lctx/parallel/memory_coefficients.json,

@@ -3,7 +3,7 @@ r"""Compile-only NVIDIA GPU devices: a GPU node's program compiled without a GPU
 The CUDA PJRT plugin describes GPUs it cannot see when handed a
 `GpuTargetConfigProto` (text format): its `target_config` topology option.
 `jax.experimental.topologies.get_topology_desc(platform='cuda', ...)` then gives
-compile-only devices, as libtpu does for TPU slices (`lctx.compile`); jit's
+compile-only devices, as libtpu does for TPU slices (lctx/sizing/tpu.py); jit's
 `.lower(...).compile()` on them runs the real XLA GPU compiler (PTX by LLVM,
 cubin by ptxas) and `.memory_analysis()` gives per-device bytes.
 

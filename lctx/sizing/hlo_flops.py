@@ -672,7 +672,7 @@ def matmul_flops(hlo_text: str) -> dict[str, Any]:
 
 
 def _main(argv: list[str]) -> None:
-  """python -m lctx.hlo_flops MODULE.txt: the counts of a dumped HLO module."""
+  """python -m lctx.sizing.hlo_flops MODULE.txt: the counts of a dumped HLO module."""
   with open(argv[1]) as f:
     print(json.dumps(matmul_flops(f.read()), indent=2))
 

@@ -87,7 +87,7 @@ BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions (int32), loss_mask (
 # ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
-  """What the memory model needs of a ModelConfig (lctx.planner.model_dims builds it).
+  """What the memory model needs of a ModelConfig (lctx.sizing.planner.model_dims builds it).
 
   Attributes:
     vocab_size, d_model, num_layers, mlp_dim: E, D, layers, F.

@@ -458,7 +458,7 @@ def _compile_winner(exp, record) -> dict[str, Any] | None:
   if sm is None or not sm.get("compile_topology"):
     logging.warning("plan_then_compile: nothing to compile (no fitting TPU setup).")
     return None
-  from lctx.sizing import tpu as compile_lib  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
   compiled = compile_lib.compile_step(
     apply_setup(exp, sm["setup"]), topology=sm["compile_topology"]

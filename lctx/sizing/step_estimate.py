@@ -1,6 +1,6 @@
 """The planner's step-time estimate: FLOPs, collective and host bytes of a Setup.
 
-`--mode=compile` reads these figures from the compiled program (lctx/sizing/tpu.py);
+`--mode=compile` reads these figures from the compiled program (lctx/sizing/compile.py);
 the planner has no program, so it counts them from the setup's arithmetic and
 hands them to the same `hardware.step_time`:
 

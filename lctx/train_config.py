@@ -75,8 +75,8 @@ class TrainConfig:
       optimizer state for the update) and the updated values back to host.
     cpu_vector_width: on the CPU backend, the vector width in bits XLA
       prefers for the elementwise code it generates (XLA's default is 256;
-      512 uses AVX-512 where the CPU has it: the attention softmax's exp ran
-      ~1.4x faster). None keeps XLA's default.
+      512 uses AVX-512 where the CPU has it, which speeds up the attention
+      softmax's exp; docs/benchmarks.md has the measurement). None keeps XLA's default.
     init_params_from: a fresh workdir starts at step 0 (fresh optimizer state,
       this config's own LR schedule and data) from these parameters: a Hugging
       Face directory (config.json + safetensors; the model's shape fields then

@@ -168,8 +168,8 @@ def _grouped_layers(c: ModelConfig, mixer, stacked, x, segment_ids, positions):
   def group(x, params):  # params: leading axis `blocks`
     x = tag_layer_input(x, c.layer_input_pieces)
     # A scan, not a loop: its reverse pass recomputes one block at a time (an
-    # unrolled loop let XLA hoist every layer's recompute: temp grew ~1 layer's
-    # working set per extra layer in the group on v5p).
+    # unrolled loop lets XLA hoist every layer's recompute, so the temporaries
+    # grow with the group; docs/benchmarks.md has the v5p measurement).
     body = lambda x, p: block.apply({"params": p}, x, segment_ids, positions)  # noqa: E731
     return jax.lax.scan(body, x, params)[0]
 

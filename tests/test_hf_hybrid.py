@@ -180,3 +180,26 @@ def test_dense_configs_with_expert_keys_load(tmp_path):
       cfg = json.load(f)
     assert cfg.get("num_experts") and cfg.get("moe_intermediate_size"), sorted(cfg)
     assert hf.load_config(path).layer_types[-1] == "full_attention"
+
+
+def test_qwen3_5_9b_gin_is_transformers_default_shape():
+  """gin/models/qwen3_5_9b.gin has the params of Qwen3_5TextConfig()'s model
+  (counted by transformers on the meta device), and what load_config makes of
+  that config.json."""
+  import dataclasses
+
+  import flax.linen as nn
+  import jax.numpy as jnp
+
+  from lctx import configs
+
+  config = configs.model_config("qwen3_5_9b")
+  hf_cfg = transformers.Qwen3_5TextConfig()
+  with torch.device("meta"):
+    want = sum(p.numel() for p in transformers.Qwen3_5ForCausalLM(hf_cfg).parameters())
+  inputs = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+  shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), inputs, inputs, inputs)
+  assert sum(x.size for x in jax.tree.leaves(nn.unbox(shapes))) == config.num_params() == want
+  from_hf = hf.config_from_hf({**hf_cfg.to_dict(), "architectures": ["Qwen3_5ForCausalLM"]})
+  keep = dict(dtype=config.dtype, param_dtype=config.param_dtype, remat_policy=config.remat_policy)
+  assert dataclasses.replace(from_hf, **keep) == config

@@ -90,15 +90,19 @@ def _reorder(x, ring, inverse=False):
   return (zigzag_inverse if inverse else zigzag_reorder)(x, ring, axis=1)
 
 
+SLOW = pytest.mark.slow
+# (mesh, zigzag, per-channel decay): each strategy's layout (all_gather / ring /
+# ulysses: context; usp: context x context_ulysses; with tensor and data beside).
 CASES = [
-  ("c8", False, False),
-  ("c8", True, True),
+  ("c8", True, False),
   ("t2c4", False, True),
-  ("t2c4", True, False),
-  ("d2c4", True, False),
-  ("usp2x4", False, False),
-  ("usp2x4", True, True),
-  ("usp4x2", True, False),
+  pytest.param("c8", False, False, marks=SLOW),
+  pytest.param("c8", True, True, marks=SLOW),
+  pytest.param("t2c4", True, False, marks=SLOW),
+  pytest.param("d2c4", True, False, marks=SLOW),
+  pytest.param("usp2x4", False, False, marks=SLOW),
+  pytest.param("usp2x4", True, True, marks=SLOW),
+  pytest.param("usp4x2", True, False, marks=SLOW),
 ]
 
 
@@ -125,7 +129,9 @@ def test_context_parallel_equals_single_device(mesh_name, load_balance, per_chan
     assert _rel(unz(gg) if seq else gg, ww) < 1e-5, name
 
 
-@pytest.mark.parametrize("mesh_name,load_balance", [("c8", True), ("usp2x4", False)])
+@pytest.mark.parametrize(
+  "mesh_name,load_balance", [("c8", True), pytest.param("usp2x4", False, marks=SLOW)]
+)
 def test_packed_documents_equal_alone(mesh_name, load_balance):
   """THE PACKING PROPERTY: a packed row under context parallelism gives each document
   the outputs and gradients it gets alone on one device."""
@@ -149,8 +155,11 @@ def test_packed_documents_equal_alone(mesh_name, load_balance):
     )
     assert _rel(doc(got), alone) < 1e-5
     assert _rel(doc(gx), ax) < 1e-5 and _rel(doc(gg), ag) < 1e-5 and _rel(doc(gb), ab) < 1e-5
-  # Padding receives no gradient through g and beta.
-  assert np.all(gg[seg == 0] == 0) and np.all(gb[seg == 0] == 0)
+  # Padding gets no gradient through beta, and through g only rounding: a later
+  # document's loss depends on differences of cumulative decays, whose cotangents
+  # cancel in the cumulative sum's transpose up to float32 rounding.
+  assert np.all(gb[seg == 0] == 0)
+  assert np.abs(gg[seg == 0]).max() < 1e-6 * np.abs(gg).max()
 
 
 def test_refusals():

@@ -33,7 +33,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from lctx.kernels.shard_typing import varying_like
 
@@ -82,6 +81,22 @@ def _to_chunks(x, c):
   return jnp.moveaxis(x.reshape(b, t // c, c, *x.shape[2:]), 1, 0)
 
 
+def _unit_lower_solve(lower, rhs):
+  """Solves (I + lower) X = rhs for strictly lower-triangular `lower` `[..., C, C]`
+  with matmuls only: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)... (L is nilpotent,
+  L^C = 0), ceil(log2 C) squarings. XLA's CPU triangular solve runs on the
+  intra-op thread pool, which fake devices blocked at a collective can starve;
+  matmuls are also what TPUs run fast."""
+  x = rhs - jnp.matmul(lower, rhs, precision=_HI)
+  power = lower
+  c, span = lower.shape[-1], 2
+  while span < c:
+    power = jnp.matmul(power, power, precision=_HI)  # L^span
+    x = x + jnp.matmul(power, x, precision=_HI)
+    span *= 2
+  return x
+
+
 def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
   """One chunk: state `[B, N, H, V]` in, (state out, o `[B, C, N, V]` or None).
 
@@ -127,12 +142,9 @@ def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
 
   bet = beta[..., None]  # [B, C, N, 1]
   lower = pair(strict, bet * k, k)  # [B, N, C, C], strictly lower
-  system = lower + jnp.eye(c, dtype=f32)
   rhs_v = jnp.moveaxis(bet * v, 2, 1)  # [B, N, C, V]
   rhs_k = jnp.moveaxis(jnp.where(first, bet * k * gam, 0.0), 2, 1)  # [B, N, C, H]
-  solved = solve_triangular(
-    system, jnp.concatenate([rhs_v, rhs_k], axis=-1), lower=True, unit_diagonal=True
-  )
+  solved = _unit_lower_solve(lower, jnp.concatenate([rhs_v, rhs_k], axis=-1))
   w_v, w_k = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
   u = w_v - jnp.einsum("bnch,bnhv->bncv", w_k, state, precision=_HI)  # new values [B, N, C, V]
 

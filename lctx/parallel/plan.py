@@ -111,7 +111,12 @@ class ContextPlan:
     stages = None
     if self.stage_projections:
       stages = stage_heads(self.mesh, self.strategy, self.head_chunks)
-    return SequenceMixer(attention=self.attention_fn, head_stages=stages)
+    linear = None  # strategy 'none': the single-device kernels
+    if self.strategy != "none":
+      from lctx.parallel.linear_context import make_linear_fns  # pylint: disable=g-import-not-at-top
+
+      linear = make_linear_fns(self.mesh, load_balance=self.load_balance)
+    return SequenceMixer(attention=self.attention_fn, head_stages=stages, linear=linear)
 
   def to_device_order(self, batch: Mapping[str, object], axis: int = 1) -> dict:
     """Natural token order -> the order the devices hold (zigzag when balancing),

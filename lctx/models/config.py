@@ -511,6 +511,8 @@ def param_layout(fields: Mapping[str, Any]) -> dict[str, Any]:
 
   layout = {name: get(name) for name in (*SHAPE_FIELDS, "param_dtype", "scan_layers")}
   layout["attention_pattern (its length)"] = len(get("attention_pattern"))
+  # Which layers are linear fixes the tree; sliding vs full attention does not.
+  layout["layer_types"] = [t == "linear_attention" for t in layout["layer_types"]]
   return layout
 
 

@@ -217,3 +217,21 @@ def test_packed_documents_equal_documents_alone(kind):
     close(packed[0, a:b], alone[i, : b - a])
   np.testing.assert_array_equal(np.asarray(packed[:, 90:]), 0.0)  # padding
   jax.tree.map(close, packed_grads, alone_grads)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (
+      dict(linear_num_key_heads=3, linear_num_value_heads=4),
+      r"linear_num_value_heads \(4\).*\(3\)",
+    ),
+    (dict(linear_attention="kda", linear_num_value_heads=8, linear_num_key_heads=4), "kda"),
+    (dict(linear_attention="mamba"), "linear_attention must be one of"),
+    (dict(partial_rotary_factor=0.2, head_dim=8), "must be even and >= 2"),
+    (dict(attention="mla", attention_output_gate=True), "attention_output_gate applies"),
+  ],
+)
+def test_invalid_hybrid_configs_raise_clear_errors(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    ModelConfig(**overrides)

@@ -581,7 +581,7 @@ def _validate_hybrid(c: ModelConfig) -> None:
   if not 0 < f <= 1:
     raise ValueError(f"partial_rotary_factor must be in (0, 1]; got {f}")
   rotary = rotary_dim(c)
-  if c.attention == "mha_gqa" and (rotary < 2 or rotary % 2):
+  if f != 1 and c.attention == "mha_gqa" and (rotary < 2 or rotary % 2):
     raise ValueError(
       f"partial_rotary_factor={f} rotates int(head_dim x factor) = {rotary} dims of "
       f"head_dim {c.head_dim}: it must be even and >= 2 (RoPE rotates pairs)"

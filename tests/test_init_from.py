@@ -235,6 +235,12 @@ def _tree(cfg):
 
 
 MLA = dataclasses.replace(TINY, attention="mla", q_lora_rank=16)
+HYBRID = dataclasses.replace(
+  TINY,
+  layer_types=("linear_attention", "full_attention"),
+  linear_num_key_heads=2,
+  linear_num_value_heads=2,
+)
 # A change of every field: the layout fields must change the tree, the others not.
 CHANGES = {
   "vocab_size": (TINY, 320),
@@ -256,6 +262,14 @@ CHANGES = {
   "param_dtype": (TINY, "bfloat16"),
   "scan_layers": (TINY, False),
   "attention_pattern": (TINY, (None, 4)),
+  "layer_types": (TINY, ("linear_attention", "full_attention")),
+  "linear_attention": (HYBRID, "kda"),
+  "linear_num_key_heads": (HYBRID, 1),
+  "linear_num_value_heads": (HYBRID, 4),
+  "linear_key_head_dim": (HYBRID, 8),
+  "linear_value_head_dim": (HYBRID, 8),
+  "linear_conv_kernel_dim": (HYBRID, 3),
+  "attention_output_gate": (TINY, True),
 }
 FREE = {
   "rope_theta": 5e5,
@@ -268,6 +282,9 @@ FREE = {
   "remat_group_inner_inputs": "offload",
   "layer_input_pieces": 2,
   "mlp_chunk_size": 4,
+  "sliding_window": 4,
+  "partial_rotary_factor": 0.5,
+  "mla_rope": False,
 }
 
 

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lctx import kernels
-from lctx.models.config import ModelConfig
+from lctx.errors import ConfigError
+from lctx.models.config import ModelConfig, rotary_dim
 from lctx.models.layers import RMSNorm, constrain, fan_in_init, param
 from lctx.models.rope import apply_rope
 from lctx.parallel.mixer import SequenceMixer, as_mixer
@@ -58,6 +59,16 @@ def reference_attention_fn(
     window_size=window_size,
     softmax_scale=softmax_scale,
   )
+
+
+def _rope(c: ModelConfig, x, positions):
+  """RoPE on the first rotary_dim(c) dims of each head `[B, T, *, H]` (all of them
+  unless partial_rotary_factor < 1, as transformers' apply_rotary_pos_emb)."""
+  rot = rotary_dim(c)
+  if rot == x.shape[-1]:
+    return apply_rope(x, positions, c.rope_theta, c.rope_scaling)
+  rotated = apply_rope(x[..., :rot], positions, c.rope_theta, c.rope_scaling)
+  return jnp.concatenate([rotated, x[..., rot:]], axis=-1)
 
 
 def _tag_qkv(q, k, v):
@@ -109,8 +120,17 @@ class GQAAttention(nn.Module):
         c.norm_eps, c.dtype, c.param_dtype, axis_name="head_dim", name=name
       )(probe, as_function=True)
       norms = (norm("q_norm"), norm("k_norm"))
+    gate = None
+    if c.attention_output_gate:
+      wg = param(self, "wg", init, (d, n, h), ("embed", "heads", "head_dim"), c.param_dtype)
+      gate = jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", x, wg.astype(c.dtype)))
     head_stages = as_mixer(self.mixer).head_stages
     if head_stages is not None:
+      if gate is not None:
+        raise ConfigError(
+          "[head-chunks] TrainConfig.ulysses_stage_projections does not project "
+          "attention_output_gate's gate by stages; use ulysses_head_chunks alone"
+        )
       return self._by_head_stages(
         x, segment_ids, positions, (wq, wk, wv, wo), biases, norms, *head_stages(n, kh)
       )
@@ -121,6 +141,8 @@ class GQAAttention(nn.Module):
       q, k, v = (t + b.astype(c.dtype) for t, b in zip((q, k, v), biases))
     out = self._attend(q, k, v, segment_ids, positions, norms, tag=True)
     out = checkpoint_name(out, "attention_out")  # [B, T, N, H]
+    if gate is not None:  # Qwen3.5's output gate, per head and channel
+      out = out * gate.astype(out.dtype)
     return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
 
   def _attend(self, q, k, v, segment_ids, positions, norms=None, tag=False):
@@ -128,8 +150,8 @@ class GQAAttention(nn.Module):
     c = self.config
     if norms is not None:
       q, k = norms[0](q), norms[1](k)
-    q = constrain(apply_rope(q, positions, c.rope_theta, c.rope_scaling), _Q_NAMES)
-    k = constrain(apply_rope(k, positions, c.rope_theta, c.rope_scaling), _KV_NAMES)
+    q = constrain(_rope(c, q, positions), _Q_NAMES)
+    k = constrain(_rope(c, k, positions), _KV_NAMES)
     v = constrain(v, _KV_NAMES)
     if tag:
       q, k, v = _tag_qkv(q, k, v)
@@ -241,9 +263,10 @@ class MLAAttention(nn.Module):
         self, "wq", fan_in_init([0], [1, 2]), (d, n, nope + r), ("embed", "heads", "head_dim"), pd
       )
       q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(cd))
-    q = jnp.concatenate(
-      [q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta, c.rope_scaling)], -1
-    )
+    if c.mla_rope:
+      q = jnp.concatenate(
+        [q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta, c.rope_scaling)], -1
+      )
 
     wkv_a = param(self, "wkv_a", fan_in_init([0], [1]), (d, lat + r), ("embed", "kv_lora"), pd)
     wkv_b = param(
@@ -257,9 +280,9 @@ class MLAAttention(nn.Module):
     wo = param(self, "wo", fan_in_init([0, 1], [2]), (n, vd, d), ("heads", "head_dim", "embed"), pd)
     kv_a = jnp.einsum("BTD,DC->BTC", x, wkv_a.astype(cd))  # [B, T, C + R]
     kv_lat = norm("kv_norm", "kv_lora")(kv_a[..., :lat])  # [B, T, C]
-    k_rope = apply_rope(
-      kv_a[:, :, None, lat:], positions, c.rope_theta, c.rope_scaling
-    )  # [B, T, 1, R]
+    k_rope = kv_a[:, :, None, lat:]  # [B, T, 1, R]
+    if c.mla_rope:
+      k_rope = apply_rope(k_rope, positions, c.rope_theta, c.rope_scaling)
     kv = jnp.einsum("BTC,CNH->BTNH", kv_lat, wkv_b.astype(cd))  # [B, T, N, nope + V]
     k_nope, v = kv[..., :nope], kv[..., nope:]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + (r,))], -1)

@@ -14,6 +14,7 @@ from lctx.models import rope
 from lctx.parallel.mixer import LAYER_TYPES
 
 ATTENTION_KINDS = ("mha_gqa", "mla")
+LINEAR_KINDS = ("gated_deltanet", "kda")
 # Named activations (jax.ad_checkpoint.checkpoint_name) a remat policy can keep on
 # the device, offload to pinned host memory or recompute. Shapes per layer:
 #   layer_input [B, T, D] (one per layer, or per group with remat_group_size > 1);
@@ -168,6 +169,33 @@ class ModelConfig:
     so its [B, T, F] hidden never lives whole. None = one piece."""
   tie_embeddings: bool = False
   """Use the input embedding's transpose as the unembedding."""
+  # ---- hybrid families (Qwen3.5 / Qwen3-Next / Kimi Linear): linear layers and
+  # the full-attention variants they pair with (lctx.models.linear_attention) ----
+  linear_attention: str = "gated_deltanet"
+  """What the 'linear_attention' layers of layer_types run (LINEAR_KINDS):
+    'gated_deltanet' (Qwen3.5 / Qwen3-Next: scalar decay per head) or 'kda'
+    (Kimi Delta Attention: per-channel decay, low-rank gate projections)."""
+  linear_num_key_heads: int = 4
+  """Linear layers: q/k heads (Hq). KDA: equal to linear_num_value_heads."""
+  linear_num_value_heads: int = 4
+  """Linear layers: value heads (Hv), a multiple of linear_num_key_heads; value
+    head j reads q/k head j // (Hv / Hq), as transformers' repeat_interleave."""
+  linear_key_head_dim: int = 16
+  """Linear layers: q/k head width (the state's rows)."""
+  linear_value_head_dim: int = 16
+  """Linear layers: value head width (the state's columns)."""
+  linear_conv_kernel_dim: int = 4
+  """Linear layers: width W of the causal depthwise conv over q, k and v."""
+  attention_output_gate: bool = False
+  """Full attention scales its output per channel by sigmoid(x Wg) before the
+    output projection (Qwen3.5 / Qwen3-Next: q_proj also produces the gate);
+    param wg [D, N, H]."""
+  partial_rotary_factor: float = 1.0
+  """mha_gqa: RoPE rotates the first int(H x factor) dims of each q/k head and
+    passes the rest (Qwen3.5: 0.25), as transformers' apply_rotary_pos_emb."""
+  mla_rope: bool = True
+  """MLA: rotate the rope dims of q and the shared key. False: no RoPE at all,
+    the dims stay as projected (Kimi Linear's MLA layers)."""
 
   def __post_init__(self):
     # Gin may hand lists for remat_custom; keep the config hashable.
@@ -242,6 +270,8 @@ class ModelConfig:
     per_layer = 2 * d + 3 * d * self.mlp_dim + _attention_matmul_params(self)
     per_layer += _attention_norm_params(self)
     total = self.num_layers * per_layer + d  # + final norm
+    linear = sum(t == "linear_attention" for t in self.layer_types)  # their own mixers
+    total += linear * (linear_layer_params(self) - per_layer + 2 * d + 3 * d * self.mlp_dim)
     if include_embedding:
       total += e * d
     if not self.tie_embeddings or not include_embedding:
@@ -267,6 +297,9 @@ class ModelConfig:
     proj = 2 * (_attention_matmul_params(self) + 3 * self.d_model * self.mlp_dim)
     total = 0.0
     for layer in range(self.num_layers):
+      if self.layer_type_of(layer) == "linear_attention":
+        total += 2 * 3 * self.d_model * self.mlp_dim + linear_layer_flops(self, seq_len)
+        continue
       keys = _mean_visible_keys(seq_len, self.window_of_layer(layer), causal)
       total += proj + 2 * keys * n * (qk_dim + v_dim)
     total += 2 * self.d_model * self.vocab_size
@@ -291,7 +324,8 @@ def _attention_matmul_params(c: ModelConfig) -> int:
     kv += c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
     return q + kv + n * c.v_head_dim * d
   h = c.head_dim
-  return d * (n + 2 * c.num_kv_heads) * h + n * h * d
+  gate = d * n * h if c.attention_output_gate else 0
+  return d * (n + 2 * c.num_kv_heads) * h + n * h * d + gate
 
 
 def _attention_norm_params(c: ModelConfig) -> int:
@@ -401,6 +435,7 @@ def validate(c: ModelConfig) -> None:
       f"num_layers ({c.num_layers}) must be a multiple of len(attention_pattern) "
       f"({len(pattern)}) so the scanned block of {len(pattern)} layers repeats evenly"
     )
+  _validate_hybrid(c)
   if c.mlp_chunk_size is not None and c.mlp_chunk_size < 1:
     raise ValueError(f"mlp_chunk_size must be None or >= 1; got {c.mlp_chunk_size}")
   if c.attention == "mha_gqa":
@@ -445,6 +480,15 @@ SHAPE_FIELDS = (
   "tie_embeddings",
   "qkv_bias",
   "qk_norm",
+  # hybrid families: which layers are linear, and their shapes
+  "layer_types",
+  "linear_attention",
+  "linear_num_key_heads",
+  "linear_num_value_heads",
+  "linear_key_head_dim",
+  "linear_value_head_dim",
+  "linear_conv_kernel_dim",
+  "attention_output_gate",
 )
 """Fields that fix the parameters' names and shapes (a pretrained checkpoint's
 config.json sets them). Every other field (RoPE, dtypes, remat, chunking, windows)
@@ -467,6 +511,8 @@ def param_layout(fields: Mapping[str, Any]) -> dict[str, Any]:
 
   layout = {name: get(name) for name in (*SHAPE_FIELDS, "param_dtype", "scan_layers")}
   layout["attention_pattern (its length)"] = len(get("attention_pattern"))
+  # Which layers are linear fixes the tree; sliding vs full attention does not.
+  layout["layer_types"] = [t == "linear_attention" for t in layout["layer_types"]]
   return layout
 
 
@@ -495,3 +541,84 @@ def _pattern_of_layer_types(c: ModelConfig) -> tuple[int | None, ...]:
       f"disagrees with layer_types (whose windows are {derived})"
     )
   return derived
+
+
+# ----------------------------------------------------------------------------
+# Hybrid families: linear layers and their full-attention variants
+# ----------------------------------------------------------------------------
+def has_linear_layers(c: ModelConfig) -> bool:
+  return "linear_attention" in c.layer_types
+
+
+def _validate_hybrid(c: ModelConfig) -> None:
+  """The linear-attention fields and the full-attention variants of the hybrids."""
+  if c.linear_attention not in LINEAR_KINDS:
+    raise ValueError(f"linear_attention must be one of {LINEAR_KINDS}; got {c.linear_attention!r}")
+  names = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+  )
+  for name in names:
+    if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
+      raise ValueError(f"{name} must be an int >= 1; got {getattr(c, name)!r}")
+  hq, hv = c.linear_num_key_heads, c.linear_num_value_heads
+  if hv % hq:
+    raise ValueError(
+      f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hq}): "
+      "each q/k head serves Hv / Hq consecutive value heads"
+    )
+  if c.linear_attention == "kda" and hq != hv:
+    raise ValueError(
+      f"linear_attention='kda' has one head count: linear_num_key_heads ({hq}) must equal "
+      f"linear_num_value_heads ({hv})"
+    )
+  if c.attention_output_gate and c.attention != "mha_gqa":
+    raise ValueError("attention_output_gate applies to mha_gqa attention (Qwen3.5 / Qwen3-Next)")
+  f = c.partial_rotary_factor
+  if not 0 < f <= 1:
+    raise ValueError(f"partial_rotary_factor must be in (0, 1]; got {f}")
+  rotary = rotary_dim(c)
+  if f != 1 and c.attention == "mha_gqa" and (rotary < 2 or rotary % 2):
+    raise ValueError(
+      f"partial_rotary_factor={f} rotates int(head_dim x factor) = {rotary} dims of "
+      f"head_dim {c.head_dim}: it must be even and >= 2 (RoPE rotates pairs)"
+    )
+  if f != 1 and c.attention != "mha_gqa":
+    raise ValueError("partial_rotary_factor applies to mha_gqa attention (MLA has its rope dims)")
+
+
+def rotary_dim(c: ModelConfig) -> int:
+  """The q/k dims RoPE rotates in an mha_gqa head (the first ones)."""
+  return int(c.head_dim * c.partial_rotary_factor)
+
+
+def linear_layer_params(c: ModelConfig) -> int:
+  """Weights of one linear-attention layer's token mixer (no layer norms)."""
+  d, w = c.d_model, c.linear_conv_kernel_dim
+  hq, hv, k, v = (
+    c.linear_num_key_heads,
+    c.linear_num_value_heads,
+    c.linear_key_head_dim,
+    c.linear_value_head_dim,
+  )
+  qk, vv = hq * k, hv * v
+  conv = w * (2 * qk + vv)
+  if c.linear_attention == "kda":
+    # q, k, v, out; beta; forget gate (low rank K) + dt_bias + A_log; output gate (rank K); norm
+    return (
+      d * (2 * qk + vv) + vv * d + d * hv + (d * k + k * qk + qk + hv) + (d * k + k * vv) + v + conv
+    )
+  # q, k, v, z, out; b, a; dt_bias, A_log; gated norm
+  return d * (2 * qk + 2 * vv) + vv * d + 2 * d * hv + 2 * hv + v + conv
+
+
+def linear_layer_flops(c: ModelConfig, seq_len: int) -> float:
+  """Forward FLOPs per token of one linear layer: 2 x its matmul weights, plus the
+  chunked delta rule's per-token work at chunk 64 (the state read and update,
+  4 x Hv x K x V, and the within-chunk products, about 2 x 64 x Hv x (K + V))."""
+  hv, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+  chunk = min(64, seq_len)
+  return 2.0 * linear_layer_params(c) + 4.0 * hv * k * v + 2.0 * chunk * hv * (k + v)

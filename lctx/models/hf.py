@@ -25,10 +25,12 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
+from lctx.models import hf_hybrid
 from lctx.models.config import ModelConfig
 from lctx.models.hf_config import (  # noqa: F401  (re-exported)
   SHAPE_FIELDS,
   architecture_for,
+  architecture_of,
   check_shape_fields,
   config_from_hf,
   config_to_hf,
@@ -44,6 +46,7 @@ from lctx.models.hf_layout import (  # noqa: F401  (re-exported)
   Entry,
   layout,
   param_shapes,
+  part_from_hf,
   unit_slices,
 )
 
@@ -64,8 +67,14 @@ class LazyTensor:
     names = e.hf_names
     if e.stacked:
       names, index = names[index[0]], index[1:]
-    parts = [self._read_one(name, index) for name in names]
+    if e.part is None:
+      parts = [self._read_one(name, index) for name in names]
+    else:  # a piece of a fused tensor: read the whole (one layer's) tensor
+      whole = tuple(slice(None) for _ in e.hf_shape)
+      parts = [part_from_hf(e, self._reader.read_hf(n, whole))[index] for n in names]
     out = np.stack(parts) if e.stacked else parts[0]
+    if e.offset:
+      out = out.astype(np.float32) + np.float32(e.offset)
     return out.astype(self.dtype, copy=False)
 
   def _read_one(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
@@ -103,8 +112,19 @@ class PretrainedReader:
     else:
       check_shape_fields(file_config, config, path)
     self.config = config
-    self.entries = layout(config)
+    self.entries = layout(config, architecture_of(self.hf_config, path))
     self._file_of, headers = _scan_files(path)
+    arch = architecture_of(self.hf_config, path)
+    # Canonical (layout) name -> stored name, where a family stores some tensors
+    # under another name (lctx.models.hf_hybrid.stored_name).
+    self._stored = {}
+    for e in self.entries.values():
+      for name in e.hf_names:
+        stored = hf_hybrid.stored_name(arch, name, headers)
+        if stored != name:
+          self._stored[name] = stored
+          headers[name] = headers.pop(stored)
+          self._file_of[name] = self._file_of[stored]
     self._check(headers)
 
   def _check(self, headers: dict[str, tuple[str, tuple[int, ...]]]) -> None:
@@ -158,7 +178,7 @@ class PretrainedReader:
     """A slice of one HF tensor as stored (numpy, its file dtype)."""
     file = self._file_of[name]
     with safe_open(file, "numpy") as f:
-      return f.get_slice(name)[index]
+      return f.get_slice(self._stored.get(name, name))[index]
 
 
 def _scan_files(path: str):

@@ -4,7 +4,9 @@ Families (the `architectures` entry of config.json):
   LlamaForCausalLM    Llama 2, 3, 3.1 (rope_type llama3), 3.2 (tied embeddings);
   MistralForCausalLM  with or without `sliding_window`;
   Qwen2ForCausalLM    q/k/v biases, often tied embeddings;
-  Qwen3ForCausalLM    RMSNorm on q and k per head, a free `head_dim`.
+  Qwen3ForCausalLM    RMSNorm on q and k per head, a free `head_dim`;
+  Qwen3_5ForCausalLM, Qwen3NextForCausalLM, KimiLinearForCausalLM
+                      hybrids with linear-attention layers (lctx.models.hf_hybrid).
 Everything else is refused with one ValueError naming the architecture or the
 field, before any tensor is read. Defaults for absent keys are those of the
 transformers config classes (e.g. Mistral's sliding_window 4096, Qwen3's head_dim 128).
@@ -18,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lctx.models import config as config_lib
-from lctx.models import rope
+from lctx.models import hf_hybrid, rope
 from lctx.models.config import ModelConfig
 
 ARCHITECTURES = (
@@ -66,17 +68,21 @@ def read_config_json(path: str) -> dict[str, Any]:
 
 
 def architecture_of(hf: Mapping[str, Any], where: str = "config.json") -> str:
-  archs = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type"), hf.get("model_type"))]
+  model_types = {**MODEL_TYPES, **hf_hybrid.MODEL_TYPES}
+  archs = hf.get("architectures") or [model_types.get(hf.get("model_type"), hf.get("model_type"))]
   if len(archs) != 1:
     raise ValueError(f"{where}: architectures={archs}: expected exactly one")
   arch = archs[0]
   for why, names in _REFUSED.items():
     if arch in names:
       raise ValueError(f"{where}: architecture {arch} is not supported: it has {why}")
-  if arch not in ARCHITECTURES:
+  if arch in hf_hybrid.REFUSED_MOE:
     raise ValueError(
-      f"{where}: architecture {arch!r} is not supported; lctx reads {', '.join(ARCHITECTURES)}"
+      f"{where}: architecture {arch} is not supported: it has mixture-of-experts layers"
     )
+  if arch not in ARCHITECTURES + hf_hybrid.ARCHITECTURES:
+    readable = ", ".join(ARCHITECTURES + hf_hybrid.ARCHITECTURES)
+    raise ValueError(f"{where}: architecture {arch!r} is not supported; lctx reads {readable}")
   return arch
 
 
@@ -118,6 +124,8 @@ def _refuse_if(cond: bool, where: str, arch: str, field: str, value: Any, why: s
 def config_from_hf(hf: Mapping[str, Any], where: str = "config.json", **overrides) -> ModelConfig:
   """The ModelConfig of an HF config dict; `overrides` set non-shape fields (dtypes...)."""
   arch = architecture_of(hf, where)
+  if arch in hf_hybrid.ARCHITECTURES:
+    return _build(hf_hybrid.fields_from_hf(hf, arch, where, _rope), overrides, where, arch)
   for key in _MOE_KEYS:
     _refuse_if(bool(hf.get(key)), where, arch, key, hf.get(key), "mixture-of-experts layers")
   act = hf.get("hidden_act", "silu")
@@ -156,6 +164,10 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json", **override
     qkv_bias=arch == "Qwen2ForCausalLM",
     qk_norm=arch == "Qwen3ForCausalLM",
   )
+  return _build(fields, overrides, where, arch)
+
+
+def _build(fields: dict[str, Any], overrides, where: str, arch: str) -> ModelConfig:
   fields.update(overrides)
   try:
     return ModelConfig(**fields)
@@ -184,6 +196,10 @@ def check_shape_fields(expected: ModelConfig, given: ModelConfig, where: str) ->
 
 def architecture_for(config: ModelConfig) -> str:
   """The HF family that expresses `config` exactly, or a ValueError naming the field."""
+  hybrid = hf_hybrid.default_architecture(config)
+  if hybrid is not None:
+    hf_hybrid.check_exportable(config, hybrid)
+    return hybrid
   windows = set(config.attention_pattern)
   if config.attention != "mha_gqa":
     raise ValueError(f"attention={config.attention!r}: only mha_gqa exports to Hugging Face")
@@ -204,13 +220,22 @@ def architecture_for(config: ModelConfig) -> str:
 
 
 def config_to_hf(
-  config: ModelConfig, dtype: str = "bfloat16", max_position_embeddings: int | None = None
+  config: ModelConfig,
+  dtype: str = "bfloat16",
+  max_position_embeddings: int | None = None,
+  architecture: str | None = None,
 ) -> dict[str, Any]:
   """config.json for `config`, readable by transformers 4.x (rope_theta, rope_scaling)
   and 5.x (rope_parameters). max_position_embeddings: informational for these rope
-  types; default original_max_position_embeddings x factor when scaled, else 8192."""
+  types; default original_max_position_embeddings x factor when scaled, else 8192.
+  architecture: the family to write where several express `config` (a GDN
+  hybrid: Qwen3_5ForCausalLM, the default, or Qwen3NextForCausalLM)."""
   arch = architecture_for(config)
-  model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
+  if architecture is not None and architecture != arch:
+    if {arch, architecture} != {hf_hybrid.QWEN3_5, hf_hybrid.QWEN3_NEXT}:
+      raise ValueError(f"architecture={architecture!r}: this config exports as {arch}")
+    arch = architecture
+  model_type = {v: k for k, v in MODEL_TYPES.items()}.get(arch)
   scaling = dict(config.rope_scaling_dict or {})
   if max_position_embeddings is None:
     orig = scaling.get("original_max_position_embeddings")
@@ -235,6 +260,8 @@ def config_to_hf(
     "torch_dtype": dtype,
     "dtype": dtype,
   }
+  if arch in hf_hybrid.ARCHITECTURES:
+    return hf_hybrid.config_to_hf(config, arch, hf)
   if arch == "Qwen2ForCausalLM":
     hf.pop("head_dim")  # Qwen2 derives it (= hidden_size / heads, checked below)
     if config.head_dim * config.num_heads != config.d_model:

@@ -20,13 +20,33 @@ import numpy as np
 
 from lctx.models.config import ModelConfig
 from lctx.models.hf_config import config_to_hf
-from lctx.models.hf_layout import INDEX_FILE, NUMPY_TO_ST, SINGLE_FILE, Entry, layout, unit_slices
+from lctx.models.hf_layout import (
+  INDEX_FILE,
+  NUMPY_TO_ST,
+  SINGLE_FILE,
+  Entry,
+  layout,
+  parts_to_hf,
+  unit_slices,
+)
 
 
 def _hf_tensor(entry: Entry, value: np.ndarray) -> np.ndarray:
   """One HF tensor (as torch stores it) from one lctx (per-layer) array."""
   hf = value.reshape(entry.hf_shape[::-1] if entry.transposed else entry.hf_shape)
   return np.ascontiguousarray(hf.T if entry.transposed else hf)
+
+
+def _hf_from_sources(srcs, values) -> np.ndarray:
+  """One HF tensor from its lctx sources [(entry, repeat or None)]: one entry
+  (less its norm offset), or the parts of a fused tensor."""
+  fetched = [(e, _fetch(values[e.path], r)) for e, r in srcs]
+  fetched = [
+    (e, v.astype(np.float32) - np.float32(e.offset) if e.offset else v) for e, v in fetched
+  ]
+  if srcs[0][0].part is not None:
+    return parts_to_hf(fetched)
+  return _hf_tensor(*fetched[0])
 
 
 def _fetch(value, r: int | None) -> np.ndarray:
@@ -68,19 +88,22 @@ def save_pretrained(
   dtype: str = "bfloat16",
   max_shard_bytes: int = 5 * 2**30,
   max_position_embeddings: int | None = None,
+  architecture: str | None = None,
 ) -> list[str]:
   """Writes an HF directory transformers' AutoModelForCausalLM.from_pretrained loads:
   config.json and `model.safetensors`, or shards of at most max_shard_bytes with
   model.safetensors.index.json. params: the lctx tree (numpy or jax arrays, which
   may span processes: every process calls this, process 0 writes). Tensors are
   gathered, converted and written one at a time (each shard's header is known
-  from the shapes beforehand). Returns the files written."""
+  from the shapes beforehand). architecture: the HF family to write where more
+  than one expresses `config` (Qwen3NextForCausalLM for a GDN hybrid; default
+  the first, lctx.models.hf_config.architecture_for). Returns the files written."""
   if dtype not in ("bfloat16", "float32"):
     raise ValueError(f"dtype={dtype!r}: export as 'bfloat16' or 'float32'")
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
-  hf_config = config_to_hf(config, dtype, max_position_embeddings)
-  entries = layout(config)
+  hf_config = config_to_hf(config, dtype, max_position_embeddings, architecture)
+  entries = layout(config, hf_config["architectures"][0])
   params = nn.unbox(params)
   params = params.get("params", params) if isinstance(params, Mapping) else params
   values = {}
@@ -92,10 +115,14 @@ def save_pretrained(
       node = node[key]
     values[p] = node
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
-  # (HF name, entry, repeat or None) in HF order, then shards by size.
-  order = [(n, e, (r if e.stacked else None)) for e in entries.values()
-           for r, n in enumerate(e.hf_names)]  # fmt: skip
-  order.sort(key=lambda t: _hf_sort_key(t[0]))
+  # (HF name, its [(entry, repeat or None)] (several: the parts of a fused
+  # tensor)) in HF order, then shards by size.
+  by_name: dict[str, list] = {}
+  for e in entries.values():
+    for r, n in enumerate(e.hf_names):
+      by_name.setdefault(n, []).append((e, r if e.stacked else None))
+  order = sorted(((n, srcs[0][0], srcs) for n, srcs in by_name.items()),
+                 key=lambda t: _hf_sort_key(t[0]))  # fmt: skip
   shards, size = [[]], 0
   for item in order:
     nbytes = math.prod(item[1].hf_shape) * np_dtype.itemsize
@@ -119,8 +146,8 @@ def save_pretrained(
     with open(file, "wb") if writer else contextlib.nullcontext() as out:
       if out is not None:
         out.write(_safetensors_header({n: (np_dtype, e.hf_shape) for n, e, _ in shard}))
-      for _, e, r in shard:  # every process gathers; process 0 writes, in header order
-        tensor = _hf_tensor(e, _fetch(values[e.path], r)).astype(np_dtype)
+      for _, _, srcs in shard:  # every process gathers; process 0 writes, in header order
+        tensor = _hf_from_sources(srcs, values).astype(np_dtype)
         if out is not None:
           tensor.tofile(out)
   if writer and len(shards) > 1:

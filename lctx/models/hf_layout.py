@@ -56,6 +56,22 @@ _TOP_RULES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class Part:
+  """An lctx param that is a piece of a fused HF tensor (hybrid families: q/k/v/z
+  in one projection, q and the output gate in q_proj, one conv over q, k, v).
+
+  The HF tensor as stored has `hf_shape`; its 2-D form (transposed when the
+  Entry is: torch [out, in] -> [in, out]; a conv's [C, 1, W] -> [W, C]) reshaped
+  to `view` holds the lctx param at `view[..., lo:hi]` (then reshaped to its
+  own shape). The parts of one HF tensor tile its last view axis."""
+
+  hf_shape: tuple[int, ...]
+  view: tuple[int, ...]
+  lo: int
+  hi: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Entry:
   """How one lctx param is made of HF tensors."""
 
@@ -65,6 +81,8 @@ class Entry:
   stacked: bool
   transposed: bool
   split: int  # lctx dims (after R) forming the first axis of the transposed HF tensor
+  offset: float = 0.0  # lctx = HF + offset (a (1 + weight) norm read as lctx's scale)
+  part: Part | None = None  # a piece of a fused HF tensor
 
   @property
   def inner(self) -> tuple[int, ...]:
@@ -72,6 +90,8 @@ class Entry:
 
   @property
   def hf_shape(self) -> tuple[int, ...]:
+    if self.part is not None:
+      return self.part.hf_shape
     dims = (math.prod(self.inner[: self.split]), math.prod(self.inner[self.split :]))
     dims = dims[:1] if self.split == len(self.inner) else dims
     return dims[::-1] if self.transposed else dims
@@ -92,28 +112,59 @@ def param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
   return {tuple(k.key for k in kp): tuple(v.shape) for kp, v in flat}
 
 
-def layout(config: ModelConfig) -> dict[tuple[str, ...], Entry]:
-  """{lctx path: Entry} for every param of `config` (ValueError if one has no HF name)."""
+def layout(config: ModelConfig, architecture: str | None = None) -> dict[tuple[str, ...], Entry]:
+  """{lctx path: Entry} for every param of `config` (ValueError if one has no HF name).
+
+  architecture: the HF family whose tensor names and fusions to use; None: the
+  one `config` exports to (the hybrid families differ from Llama's layout)."""
+  from lctx.models import hf_hybrid  # pylint: disable=g-import-not-at-top
+
+  arch = architecture or hf_hybrid.default_architecture(config)
+  layer_rules = {**_LAYER_RULES, **hf_hybrid.layer_rules(config, arch)}
+  top_rules = {**_TOP_RULES, **hf_hybrid.top_rules(arch)}
   period = len(config.attention_pattern)
   entries = {}
   for path, shape in param_shapes(config).items():
-    if path in _TOP_RULES:
-      name, transposed, split = _TOP_RULES[path]
-      entries[path] = Entry(path, shape, (name,), False, transposed, split)
+    if path in top_rules:
+      name, transposed, split, *extra = top_rules[path]
+      entries[path] = Entry(path, shape, (name,), False, transposed, split, *extra)
       continue
     # ('layers', 'layer_{i}', ...) stacked over R, or ('layers_{r}', 'layer_{i}', ...).
-    rule = _LAYER_RULES.get(path[2:])
+    rule = layer_rules.get(path[2:])
     if rule is None or not path[1].startswith("layer_"):
       raise ValueError(f"lctx param {'/'.join(path)} has no Hugging Face counterpart")
-    name, transposed, split = rule
+    name, transposed, split, *extra = rule
     i = int(path[1][len("layer_") :])
     if path[0] == "layers":
       layers = [r * period + i for r in range(shape[0])]
     else:
       layers = [int(path[0][len("layers_") :]) * period + i]
     names = tuple(f"model.layers.{l}.{name}" for l in layers)
-    entries[path] = Entry(path, shape, names, path[0] == "layers", transposed, split)
+    entries[path] = Entry(path, shape, names, path[0] == "layers", transposed, split, *extra)
   return entries
+
+
+def part_from_hf(entry: Entry, hf: np.ndarray) -> np.ndarray:
+  """The lctx (per-layer) value of a Part entry from its whole HF tensor."""
+  p = entry.part
+  full = hf.reshape(p.hf_shape[0], -1).T if entry.transposed else hf
+  return full.reshape(p.view)[..., p.lo : p.hi].reshape(entry.inner)
+
+
+def parts_to_hf(entries_values: list[tuple[Entry, np.ndarray]]) -> np.ndarray:
+  """One fused HF tensor (as stored) from the (Entry, per-layer value) of its parts."""
+  first = entries_values[0][0]
+  p = first.part
+  full = np.zeros(p.view, entries_values[0][1].dtype)
+  covered = 0
+  for e, value in entries_values:
+    full[..., e.part.lo : e.part.hi] = value.reshape(p.view[:-1] + (e.part.hi - e.part.lo,))
+    covered += e.part.hi - e.part.lo
+  if covered != p.view[-1]:
+    raise ValueError(f"{first.hf_names}: its parts cover {covered} of {p.view[-1]} columns")
+  if first.transposed:
+    return np.ascontiguousarray(full.reshape(-1, p.hf_shape[0]).T.reshape(p.hf_shape))
+  return full.reshape(p.hf_shape)
 
 
 def unit_slices(index, shape) -> tuple[slice, ...]:

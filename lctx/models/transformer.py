@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lctx.models.attention import GQAAttention, MLAAttention, reference_attention_fn
 from lctx.models.config import ModelConfig
 from lctx.models.layers import MLP, RMSNorm, constrain, param
+from lctx.models.linear_attention import GatedDeltaNet, KimiDeltaAttention
 
 _ACT = ("act_batch", "act_seq", "act_embed")
 LAYER_INPUT_NAME = "layer_input"
@@ -48,6 +49,8 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
   mixer: Callable  # a SequenceMixer (lctx/parallel/mixer.py) or an attention function
   window_size: int | None = None
+  # 'full_attention' | 'sliding_attention' | 'linear_attention' (ModelConfig.layer_types).
+  layer_type: str = "full_attention"
   # The remat tag of the layer's input: None inside a remat group, where the
   # group tags its own input (GROUP_INNER_INPUT_NAME with remat_group_inner_inputs).
   input_tag: str | None = LAYER_INPUT_NAME
@@ -58,15 +61,24 @@ class DecoderLayer(nn.Module):
     x = constrain(x, _ACT)
     if self.input_tag:  # what 'offload_layer_inputs' and friends keep or offload
       x = tag_layer_input(x, c.layer_input_pieces, self.input_tag)
-    attn_cls = MLAAttention if c.attention == "mla" else GQAAttention
     h = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="attn_norm")(x)
-    x = x + attn_cls(c, self.mixer, self.window_size, name="attention")(h, segment_ids, positions)
+    x = x + self._token_mixer()(h, segment_ids, positions)
     x = constrain(x, _ACT)
     # The norm runs inside the MLP's sequence chunks (one chunk's float32 norm
     # and its cotangent at a time; at Llama-8B with 524,288 tokens per device
     # the whole-sequence f32 value is 8 GiB).
     norm = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="mlp_norm")(x, as_function=True)
     return constrain(x + MLP(c, name="mlp")(x, pre=norm), _ACT)
+
+  def _token_mixer(self) -> nn.Module:
+    """The module that mixes tokens in this layer: attention (params under
+    'attention') or a linear-attention layer (under 'linear_attention')."""
+    c = self.config
+    if self.layer_type == "linear_attention":
+      cls = KimiDeltaAttention if c.linear_attention == "kda" else GatedDeltaNet
+      return cls(c, self.mixer, name="linear_attention")
+    attn_cls = MLAAttention if c.attention == "mla" else GQAAttention
+    return attn_cls(c, self.mixer, self.window_size, name="attention")
 
 
 class Block(nn.Module):
@@ -94,11 +106,11 @@ class Block(nn.Module):
       layer_cls = nn.remat(
         DecoderLayer, policy=inner if self.in_group else outer, prevent_cse=not c.scan_layers
       )
-    for i, window in enumerate(c.attention_pattern):
+    for i, (window, kind) in enumerate(zip(c.attention_pattern, c.block_layer_types)):
       tag = LAYER_INPUT_NAME
       if self.in_group:
         tag = GROUP_INNER_INPUT_NAME if c.remat_group_inner_inputs == "offload" else None
-      x = layer_cls(c, self.mixer, window, input_tag=tag, name=f"layer_{i}")(
+      x = layer_cls(c, self.mixer, window, kind, input_tag=tag, name=f"layer_{i}")(
         x, segment_ids, positions
       )
     return x, None  # (carry, per-step output) for nn.scan

@@ -53,6 +53,26 @@ KernelOptions = AttentionOptions
 _DEFAULT_KERNEL = AttentionOptions()
 
 
+class _LinearFnsOnUse:
+  """The linear layers' ops (lctx.parallel.linear_context.make_linear_fns), built on
+  first use: models without linear layers never meet its layout rules."""
+
+  def __init__(self, mesh: Mesh, load_balance: bool):
+    self._mesh, self._load_balance = mesh, load_balance
+
+  @functools.cached_property
+  def fns(self):
+    from lctx.parallel.linear_context import make_linear_fns  # pylint: disable=g-import-not-at-top
+
+    return make_linear_fns(self._mesh, load_balance=self._load_balance)
+
+  def short_conv(self, *args, **kwargs):
+    return self.fns.short_conv(*args, **kwargs)
+
+  def delta_rule(self, *args, **kwargs):
+    return self.fns.delta_rule(*args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextPlan:
   """A resolved context-parallel plan for one mesh and one model.
@@ -111,7 +131,9 @@ class ContextPlan:
     stages = None
     if self.stage_projections:
       stages = stage_heads(self.mesh, self.strategy, self.head_chunks)
-    return SequenceMixer(attention=self.attention_fn, head_stages=stages)
+    # Strategy 'none': None, the single-device kernels.
+    linear = None if self.strategy == "none" else _LinearFnsOnUse(self.mesh, self.load_balance)
+    return SequenceMixer(attention=self.attention_fn, head_stages=stages, linear=linear)
 
   def to_device_order(self, batch: Mapping[str, object], axis: int = 1) -> dict:
     """Natural token order -> the order the devices hold (zigzag when balancing),

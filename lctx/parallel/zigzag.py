@@ -59,6 +59,18 @@ def zigzag_inverse(x, ring_size: int, axis: int = 1):
 # ----------------------------------------------------------------------------
 # The same reorder on a sequence-sharded global array, by collective permutes
 # ----------------------------------------------------------------------------
+def zigzag_piece_order(ring_size: int, ways: int) -> np.ndarray:
+  """Natural piece held at each zigzag position, for a sequence cut into 2 x ways
+  equal pieces (the halves of `ways` equal shards): position m (device m // 2,
+  half m % 2) holds natural piece order[m]. Each zigzag chunk is ways / ring_size
+  whole pieces."""
+  if ways % ring_size:
+    raise ValueError(f"zigzag: {ways} sequence shards do not split over ring size {ring_size}")
+  per_chunk = ways // ring_size  # pieces per chunk: 2 ring_size chunks of 2 ways pieces
+  chunks = zigzag_order(ring_size)
+  return np.array([c * per_chunk + i for c in chunks for i in range(per_chunk)])
+
+
 def zigzag_half_moves(ring_size: int, ways: int, inverse: bool = False):
   """Where each half of each device's sequence shard goes.
 
@@ -70,12 +82,7 @@ def zigzag_half_moves(ring_size: int, ways: int, inverse: bool = False):
   partial permutation of devices, so each is one ppermute. inverse=True maps
   zigzag order back to the natural order.
   """
-  if ways % ring_size:
-    raise ValueError(f"zigzag: {ways} sequence shards do not split over ring size {ring_size}")
-  per_chunk = ways // ring_size  # pieces per chunk: 2 ring_size chunks of 2 ways pieces
-  chunks = zigzag_order(ring_size)
-  # Zigzag position m holds natural piece order[m].
-  order = np.array([c * per_chunk + i for c in chunks for i in range(per_chunk)])
+  order = zigzag_piece_order(ring_size, ways)
   src_of_dst = np.argsort(order) if inverse else order  # position -> piece it takes
   moves: dict[tuple[int, int], list[tuple[int, int]]] = {}
   for dst_pos, src_pos in enumerate(src_of_dst):

@@ -1,0 +1,215 @@
+"""Linear-attention token mixers: Gated DeltaNet (Qwen3.5 / Qwen3-Next) and Kimi Delta Attention.
+
+Both layers project q, k, v, run a causal depthwise conv (width W, SiLU) over
+each, L2-normalise q and k (q also scaled by K^-1/2), and run the gated delta
+rule (lctx.kernels.delta_rule) with beta = sigmoid(x Wb):
+
+  GDN: g = -exp(A_log) softplus(x Wa + dt_bias), one log decay per value head;
+       out = RMSNorm(o) * silu(x Wz), then the output projection.
+  KDA: g = -exp(A_log) softplus(x Wf_a Wf_b + dt_bias), one per head and key
+       channel (a rank-K gate); out = RMSNorm(o) * sigmoid(x Wg_a Wg_b), then
+       the output projection.
+
+That is transformers' Qwen3_5GatedDeltaNet / Qwen3NextGatedDeltaNet and
+KimiLinearDeltaAttention (lctx keeps q, k, v, z and the conv of each as separate
+params; lctx.models.hf_layout maps the fused HF tensors). The conv and the delta
+rule come from the mixer's `linear` ops (lctx.parallel.linear_context under
+context parallelism: halos and state exchange); without them, the
+single-device kernels. Both restart at every packed-document boundary
+(segment ids) and give 0 at padding.
+
+Remat tags (ModelConfig.REMAT_TAGS): query_proj / key_proj / value_proj on what
+the delta rule consumes, attention_out on its output, out_proj on the layer's.
+
+Shapes legend (docs/contracts.md): B batch, T length, D d_model, Q q/k heads
+(linear_num_key_heads), N value heads (linear_num_value_heads), G = N // Q,
+K key head dim, V value head dim, W conv width.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lctx.models.config import ModelConfig
+from lctx.models.layers import constrain, fan_in_init, param
+from lctx.parallel.mixer import as_mixer
+
+_L2_EPS = 1e-6  # transformers' l2norm (and fla's)
+_QK_NAMES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+_OUT_NAMES = ("act_batch", "act_seq", "act_embed")
+
+
+class _LocalLinearOps:
+  """The single-device ops (no context parallelism), with LinearFns' signatures."""
+
+  @staticmethod
+  def short_conv(x, weight, bias=None, *, segment_ids, activation="silu"):
+    from lctx.kernels.short_conv import short_conv  # pylint: disable=g-import-not-at-top
+
+    return short_conv(x, weight, bias, segment_ids=segment_ids, activation=activation)
+
+  @staticmethod
+  def delta_rule(q, k, v, g, beta, *, segment_ids):
+    from lctx.kernels.delta_rule import delta_rule  # pylint: disable=g-import-not-at-top
+
+    return delta_rule(q, k, v, g, beta, segment_ids=segment_ids)[0]
+
+
+def linear_ops(mixer):
+  """The mixer's linear ops (short_conv, delta_rule), or the single-device kernels."""
+  ops = as_mixer(mixer).linear
+  return _LocalLinearOps if ops is None else ops
+
+
+def l2_normalise(x):
+  """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (transformers' l2norm)."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+def gated_rms_norm(o, gate, scale, eps, activation):
+  """RMSNorm of o `[..., V]` over V (float32) times scale `[V]`, times act(gate)."""
+  o = o.astype(jnp.float32)
+  o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
+  return o * scale.astype(jnp.float32) * activation(gate.astype(jnp.float32))
+
+
+def _conv(ops, x, weight, segment_ids):
+  """The causal conv + SiLU of one projection `[B, T, H, K]` (channels H*K)."""
+  b, t, h, k = x.shape
+  y = ops.short_conv(x.reshape(b, t, h * k), weight, None, segment_ids=segment_ids)
+  return y.reshape(b, t, h, k)
+
+
+def _delta_rule(mixer, c, q, k, v, g, beta, segment_ids):
+  """q, k `[B, T, Q, K]` conv outputs -> o `[B, T, N, V]` (q/k L2-normed, q scaled,
+  q/k heads repeated to the value heads)."""
+  groups = c.linear_num_value_heads // c.linear_num_key_heads
+  q = l2_normalise(q) * c.linear_key_head_dim**-0.5
+  k = l2_normalise(k)
+  if groups > 1:  # value head j reads q/k head j // G (transformers' repeat_interleave)
+    q, k = jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2)
+  q, k = (constrain(t.astype(c.dtype), _QK_NAMES) for t in (q, k))
+  v = constrain(v, _QK_NAMES)
+  q, k, v = (
+    checkpoint_name(q, "query_proj"),
+    checkpoint_name(k, "key_proj"),
+    checkpoint_name(v, "value_proj"),
+  )
+  o = linear_ops(mixer).delta_rule(q, k, v, g, beta, segment_ids=segment_ids)
+  return checkpoint_name(constrain(o, _QK_NAMES), "attention_out")
+
+
+class GatedDeltaNet(nn.Module):
+  """Gated DeltaNet (Qwen3.5 / Qwen3-Next). x `[B, T, D]` -> `[B, T, D]`."""
+
+  config: ModelConfig
+  mixer: object
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions):
+    del positions  # the recurrence is its own position signal
+    c = self.config
+    d, hq, hv = c.d_model, c.linear_num_key_heads, c.linear_num_value_heads
+    kd, vd, w = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
+    pd, cd = c.param_dtype, c.dtype
+    init = fan_in_init([0], [1, 2])
+    wq = param(self, "wq", init, (d, hq, kd), ("embed", "kv_heads", "head_dim"), pd)
+    wk = param(self, "wk", init, (d, hq, kd), ("embed", "kv_heads", "head_dim"), pd)
+    wv = param(self, "wv", init, (d, hv, vd), ("embed", "heads", "head_dim"), pd)
+    wz = param(self, "wz", init, (d, hv, vd), ("embed", "heads", "head_dim"), pd)
+    wb = param(self, "wb", fan_in_init([0], [1]), (d, hv), ("embed", "heads"), pd)
+    wa = param(self, "wa", fan_in_init([0], [1]), (d, hv), ("embed", "heads"), pd)
+    conv_init = fan_in_init([0], [1])
+    conv_q = param(self, "conv_q", conv_init, (w, hq * kd), ("conv_width", "kv_heads"), pd)
+    conv_k = param(self, "conv_k", conv_init, (w, hq * kd), ("conv_width", "kv_heads"), pd)
+    conv_v = param(self, "conv_v", conv_init, (w, hv * vd), ("conv_width", "heads"), pd)
+    # transformers' init: dt_bias 1, A uniform in [0.01, 16] (A_log = log A).
+    dt_bias = param(self, "dt_bias", nn.initializers.ones, (hv,), ("heads",), pd)
+    a_log = param(self, "A_log", _log_uniform(0.01, 16.0), (hv,), ("heads",), pd)
+    scale = param(self, "norm_scale", nn.initializers.ones, (vd,), ("head_dim",), pd)
+    wo = param(
+      self, "wo", fan_in_init([0, 1], [2]), (hv, vd, d), ("heads", "head_dim", "embed"), pd
+    )
+
+    ops = linear_ops(self.mixer)
+    proj = lambda w_, eq: jnp.einsum(eq, x, w_.astype(cd))  # noqa: E731
+    q = _conv(ops, proj(wq, "BTD,DQK->BTQK"), conv_q, segment_ids)
+    k = _conv(ops, proj(wk, "BTD,DQK->BTQK"), conv_k, segment_ids)
+    v = _conv(ops, proj(wv, "BTD,DNV->BTNV"), conv_v, segment_ids)
+    beta = jax.nn.sigmoid(proj(wb, "BTD,DN->BTN").astype(jnp.float32))
+    a = proj(wa, "BTD,DN->BTN").astype(jnp.float32)
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
+    o = _delta_rule(self.mixer, c, q, k, v, g, beta, segment_ids)  # [B, T, N, V]
+    z = proj(wz, "BTD,DNV->BTNV")
+    o = gated_rms_norm(o, z, scale, c.norm_eps, jax.nn.silu).astype(cd)
+    out = jnp.einsum("BTNV,NVD->BTD", o, wo.astype(cd))
+    return checkpoint_name(constrain(out, _OUT_NAMES), "out_proj")
+
+
+class KimiDeltaAttention(nn.Module):
+  """Kimi Delta Attention (Kimi Linear). x `[B, T, D]` -> `[B, T, D]`; Q = N heads."""
+
+  config: ModelConfig
+  mixer: object
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions):
+    del positions
+    c = self.config
+    d, n = c.d_model, c.linear_num_value_heads
+    kd, vd, w = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
+    pd, cd = c.param_dtype, c.dtype
+    init = fan_in_init([0], [1, 2])
+    wq = param(self, "wq", init, (d, n, kd), ("embed", "heads", "head_dim"), pd)
+    wk = param(self, "wk", init, (d, n, kd), ("embed", "heads", "head_dim"), pd)
+    wv = param(self, "wv", init, (d, n, vd), ("embed", "heads", "head_dim"), pd)
+    conv_init = fan_in_init([0], [1])
+    conv_q = param(self, "conv_q", conv_init, (w, n * kd), ("conv_width", "heads"), pd)
+    conv_k = param(self, "conv_k", conv_init, (w, n * kd), ("conv_width", "heads"), pd)
+    conv_v = param(self, "conv_v", conv_init, (w, n * vd), ("conv_width", "heads"), pd)
+    wb = param(self, "wb", fan_in_init([0], [1]), (d, n), ("embed", "heads"), pd)
+    # The forget gate: rank-K projection to one log decay per head and key channel.
+    wf_a = param(self, "wf_a", fan_in_init([0], [1]), (d, kd), ("embed", "head_dim"), pd)
+    wf_b = param(self, "wf_b", init, (kd, n, kd), ("head_dim", "heads", None), pd)
+    dt_bias = param(self, "dt_bias", _kda_dt_bias, (n, kd), ("heads", "head_dim"), pd)
+    a_log = param(self, "A_log", _log_uniform(1.0, 16.0), (n,), ("heads",), pd)
+    # The output gate: rank-K projection to one gate per head and value channel.
+    wg_a = param(self, "wg_a", fan_in_init([0], [1]), (d, kd), ("embed", "head_dim"), pd)
+    wg_b = param(self, "wg_b", init, (kd, n, vd), ("head_dim", "heads", None), pd)
+    scale = param(self, "norm_scale", nn.initializers.ones, (vd,), ("head_dim",), pd)
+    wo = param(self, "wo", fan_in_init([0, 1], [2]), (n, vd, d), ("heads", "head_dim", "embed"), pd)
+
+    ops = linear_ops(self.mixer)
+    proj = lambda w_, eq: jnp.einsum(eq, x, w_.astype(cd))  # noqa: E731
+    q = _conv(ops, proj(wq, "BTD,DNK->BTNK"), conv_q, segment_ids)
+    k = _conv(ops, proj(wk, "BTD,DNK->BTNK"), conv_k, segment_ids)
+    v = _conv(ops, proj(wv, "BTD,DNV->BTNV"), conv_v, segment_ids)
+    beta = jax.nn.sigmoid(proj(wb, "BTD,DN->BTN").astype(jnp.float32))
+    f = jnp.einsum("BTK,KNJ->BTNJ", proj(wf_a, "BTD,DK->BTK"), wf_b.astype(cd))
+    f = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    g = -jnp.exp(a_log.astype(jnp.float32))[:, None] * jax.nn.softplus(f)  # [B, T, N, K]
+    o = _delta_rule(self.mixer, c, q, k, v, g, beta, segment_ids)  # [B, T, N, V]
+    gate = jnp.einsum("BTK,KNV->BTNV", proj(wg_a, "BTD,DK->BTK"), wg_b.astype(cd))
+    o = gated_rms_norm(o, gate, scale, c.norm_eps, jax.nn.sigmoid).astype(cd)
+    out = jnp.einsum("BTNV,NVD->BTD", o, wo.astype(cd))
+    return checkpoint_name(constrain(out, _OUT_NAMES), "out_proj")
+
+
+def _log_uniform(lo: float, hi: float):
+  """log(A) for A uniform in [lo, hi] (transformers' A_log init)."""
+
+  def init(key, shape, dtype=jnp.float32):
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi)).astype(dtype)
+
+  return init
+
+
+def _kda_dt_bias(key, shape, dtype=jnp.float32):
+  """fla's / transformers' KDA init: softplus^-1 of dt log-uniform in [1e-3, 1e-1]."""
+  dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, jnp.log(1e-3), jnp.log(1e-1)))
+  dt = jnp.maximum(dt, 1e-4)
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)

@@ -1,0 +1,220 @@
+"""The chunked gated delta rule and the short conv against the float64 token-by-token
+reference (values and gradients) and against transformers' torch fallbacks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lctx.kernels.delta_rule import delta_rule, delta_rule_reference, delta_rule_transition
+from lctx.kernels.short_conv import short_conv
+
+B, N, H, V = 2, 3, 8, 6
+
+
+def _inputs(t, per_channel, seed=0, heads=N):
+  """Random float64 numpy inputs: unit q/k, decays in [-1, -0.01], beta in (0.1, 0.9)."""
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(B, t, heads, H))
+  k = rng.normal(size=(B, t, heads, H))
+  q /= np.linalg.norm(q, axis=-1, keepdims=True)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.normal(size=(B, t, heads, V))
+  g = -rng.uniform(0.01, 1.0, size=(B, t, heads, H) if per_channel else (B, t, heads))
+  beta = rng.uniform(0.1, 0.9, size=(B, t, heads))
+  s0 = rng.normal(size=(B, heads, H, V))
+  return q, k, v, g, beta, s0
+
+
+def _packed(t):
+  """Row 0: documents 1, 2, 3, padding, document 4; row 1: one document then padding."""
+  seg = np.ones((B, t), np.int32)
+  seg[0, 9:20] = 2
+  seg[0, 20:27] = 3
+  seg[0, 27:30] = 0
+  seg[0, 30:] = 4
+  seg[1, t - 5 :] = 0
+  return seg
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+def _loss_fn(fn, seg, chunk_size):
+  def loss(q, k, v, g, beta, s0, wo, ws):
+    o, s = fn(q, k, v, g, beta, segment_ids=seg, initial_state=s0, chunk_size=chunk_size)
+    return jnp.sum(o * wo) + jnp.sum(s * ws)
+
+  return loss
+
+
+def _check_against_reference(t, per_channel, seg, chunk_size, use_s0=True):
+  q, k, v, g, beta, s0 = _inputs(t, per_channel)
+  rng = np.random.default_rng(1)
+  wo, ws = rng.normal(size=(B, t, N, V)), rng.normal(size=s0.shape)
+  args = [q, k, v, g, beta, s0 if use_s0 else None, wo, ws]
+  argnums = (0, 1, 2, 3, 4, 5) if use_s0 else (0, 1, 2, 3, 4)
+  with jax.enable_x64(True):
+    a64 = [None if a is None else jnp.asarray(a, jnp.float64) for a in args]
+    s64 = None if seg is None else jnp.asarray(seg)
+    ro, rs = delta_rule_reference(*a64[:5], segment_ids=s64, initial_state=a64[5])
+    rgrads = jax.grad(_loss_fn(delta_rule_reference, s64, 0), argnums)(*a64)
+    ro, rs, rgrads = np.asarray(ro), np.asarray(rs), [np.asarray(x) for x in rgrads]
+  a32 = [None if a is None else jnp.asarray(a, jnp.float32) for a in args]
+  s32 = None if seg is None else jnp.asarray(seg)
+  o, s = jax.jit(
+    lambda *a: delta_rule(*a[:5], segment_ids=s32, initial_state=a[5], chunk_size=chunk_size)
+  )(*a32[:6])
+  assert o.dtype == jnp.float32 and s.dtype == jnp.float32
+  assert _rel(o, ro) < 1e-4 and _rel(s, rs) < 1e-4
+  grads = jax.jit(jax.grad(_loss_fn(delta_rule, s32, chunk_size), argnums))(*a32)
+  for name, got, want in zip(["q", "k", "v", "g", "beta", "s0"], grads, rgrads):
+    assert _rel(got, want) < 1e-4, name
+  if seg is not None:  # padding outputs are exactly 0
+    assert np.all(np.asarray(o)[seg == 0] == 0)
+  return ro
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_chunked_matches_float64_reference_packed(per_channel):
+  # 37 tokens in chunks of 8: a ragged last chunk, and resets inside chunks.
+  _check_against_reference(37, per_channel, _packed(37), chunk_size=8)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_chunked_matches_float64_reference_one_segment(per_channel):
+  _check_against_reference(21, per_channel, None, chunk_size=16, use_s0=False)
+
+
+def test_packed_documents_equal_alone():
+  """Each document of a packed row gets the outputs it gets alone (from a zero state)."""
+  t = 37
+  seg = _packed(t)
+  q, k, v, g, beta, _ = _inputs(t, False)
+  f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  o, _ = delta_rule(f(q), f(k), f(v), f(g), f(beta), segment_ids=jnp.asarray(seg), chunk_size=8)
+  for lo, hi in ((0, 9), (9, 20), (20, 27), (30, 37)):
+    alone, _ = delta_rule(*(f(x[:1, lo:hi]) for x in (q, k, v, g, beta)), chunk_size=8)
+    assert _rel(np.asarray(o)[:1, lo:hi], alone) < 1e-5
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_transition(per_channel):
+  t = 29
+  q, k, v, g, beta, s0 = _inputs(t, per_channel, seed=3)
+  g = g * 0.05  # slow decays: the map stays far from 0 over 29 tokens
+  f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  a = delta_rule_transition(f(k), f(g), f(beta), chunk_size=8)
+  assert a.shape == (B, N, H, H)
+  _, with_s0 = delta_rule(f(q), f(k), f(v), f(g), f(beta), initial_state=f(s0), chunk_size=8)
+  _, from_zero = delta_rule(f(q), f(k), f(v), f(g), f(beta), chunk_size=8)
+  assert _rel(jnp.einsum("bnhk,bnkv->bnhv", a, f(s0)) + from_zero, with_s0) < 1e-5
+  assert np.abs(np.asarray(a)).max() > 1e-3  # a real map, not a vanished one
+  seg = np.ones((B, t), np.int32)
+  seg[:, 20:] = 2
+  a_reset = delta_rule_transition(f(k), f(g), f(beta), segment_ids=jnp.asarray(seg), chunk_size=8)
+  assert np.all(np.asarray(a_reset) == 0)
+
+
+# ----------------------------------------------------------------------------
+# Against transformers' torch fallbacks
+# ----------------------------------------------------------------------------
+torch = pytest.importorskip("torch")
+
+
+def _t(x):
+  return torch.tensor(np.asarray(x, np.float32))
+
+
+@pytest.mark.parametrize(
+  "fn_name", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
+)
+def test_gdn_matches_transformers(fn_name):
+  """Qwen3.5's GDN: 2 key heads serve 4 value heads (repeat_interleave); transformers
+  scales q by H^-0.5 itself, lctx's op expects it done."""
+  mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+  t, kh, vh = 45, 2, 4
+  q, k, _, _, _, _ = _inputs(t, False, seed=5, heads=kh)
+  _, _, v, g, beta, s0 = _inputs(t, False, seed=6, heads=vh)
+  kwargs = dict(initial_state=_t(s0), output_final_state=True)
+  if fn_name == "torch_chunk_gated_delta_rule":
+    kwargs["chunk_size"] = 16
+  ho, hs = getattr(mod, fn_name)(_t(q), _t(k), _t(v), _t(g), _t(beta), **kwargs)
+  rep = lambda x: jnp.repeat(jnp.asarray(x, jnp.float32), vh // kh, axis=2)  # noqa: E731
+  f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  o, s = delta_rule(
+    rep(q) * H**-0.5, rep(k), f(v), f(g), f(beta), initial_state=f(s0), chunk_size=16
+  )
+  assert _rel(o, ho.numpy()) < 2e-4 and _rel(s, hs.numpy()) < 2e-4
+
+
+@pytest.mark.parametrize(
+  "fn_name", ["chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"]
+)
+def test_kda_matches_transformers(fn_name):
+  mod = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+  t = 45
+  q, k, v, g, beta, s0 = _inputs(t, True, seed=7)
+  kwargs = dict(initial_state=_t(s0), output_final_state=True)
+  if fn_name == "chunk_kimi_delta_attention":
+    kwargs["chunk_size"] = 16
+  ho, hs = getattr(mod, fn_name)(_t(q), _t(k), _t(v), _t(g), _t(beta), **kwargs)
+  f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  o, s = delta_rule(f(q) * H**-0.5, f(k), f(v), f(g), f(beta), initial_state=f(s0), chunk_size=16)
+  assert _rel(o, ho.numpy()) < 2e-4 and _rel(s, hs.numpy()) < 2e-4
+
+
+# ----------------------------------------------------------------------------
+# Short conv
+# ----------------------------------------------------------------------------
+def _conv_inputs(t, c=5, w=4, seed=0):
+  rng = np.random.default_rng(seed)
+  return (
+    rng.normal(size=(B, t, c)).astype(np.float32),
+    rng.normal(size=(w, c)).astype(np.float32),
+    rng.normal(size=(c,)).astype(np.float32),
+  )
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_short_conv_matches_transformers(activation):
+  mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+  x, w, bias = _conv_inputs(19)
+  conv = torch.nn.Conv1d(5, 5, 4, groups=5, padding=3, bias=True)
+  with torch.no_grad():
+    conv.weight.copy_(_t(w.T[:, None, :]))  # HF layout [C, 1, W]
+    conv.bias.copy_(_t(bias))
+    want = mod.causal_conv1d_fn(
+      _t(x).transpose(1, 2), conv.weight.squeeze(1), conv.bias, activation=activation
+    )
+    plain = conv(_t(x).transpose(1, 2))[..., :19]
+  got = short_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), activation=activation)
+  assert _rel(got, want.transpose(1, 2).numpy()) < 1e-5
+  if activation is None:
+    assert _rel(got, plain.transpose(1, 2).numpy()) < 1e-5
+
+
+def test_short_conv_segments_and_halo():
+  t = 37
+  seg = _packed(t)
+  x, w, bias = _conv_inputs(t, seed=2)
+  got = np.asarray(
+    short_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), segment_ids=jnp.asarray(seg))
+  )
+  for lo, hi in ((0, 9), (9, 20), (20, 27), (30, 37)):
+    alone = short_conv(jnp.asarray(x[:1, lo:hi]), jnp.asarray(w), jnp.asarray(bias))
+    assert _rel(got[:1, lo:hi], alone) < 1e-6
+  assert np.all(got[seg == 0] == 0)
+  # A split row: the right part with the left part's last W-1 tokens as its halo.
+  for cut in (12, 22, 31):
+    right = short_conv(
+      jnp.asarray(x[:, cut:]),
+      jnp.asarray(w),
+      jnp.asarray(bias),
+      segment_ids=jnp.asarray(seg[:, cut:]),
+      halo=jnp.asarray(x[:, cut - 3 : cut]),
+      halo_segment_ids=jnp.asarray(seg[:, cut - 3 : cut]),
+    )
+    assert _rel(right, got[:, cut:]) < 1e-6

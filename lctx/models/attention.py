@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lctx import kernels
 from lctx.models.config import ModelConfig
-from lctx.models.layers import RMSNorm, constrain, fan_in_init, param
+from lctx.models.layers import constrain, fan_in_init, norm_of, param
 from lctx.models.rope import apply_rope
 from lctx.parallel.mixer import SequenceMixer, as_mixer
 
@@ -105,9 +105,7 @@ class GQAAttention(nn.Module):
     if c.qk_norm:
       # Declared here, applied in _attend (which may run inside a scan over stages).
       probe = jnp.zeros((h,), c.dtype)
-      norm = lambda name: RMSNorm(  # noqa: E731
-        c.norm_eps, c.dtype, c.param_dtype, axis_name="head_dim", name=name
-      )(probe, as_function=True)
+      norm = lambda name: norm_of(c, name, "head_dim")(probe, as_function=True)  # noqa: E731
       norms = (norm("q_norm"), norm("k_norm"))
     head_stages = as_mixer(self.mixer).head_stages
     if head_stages is not None:
@@ -128,8 +126,9 @@ class GQAAttention(nn.Module):
     c = self.config
     if norms is not None:
       q, k = norms[0](q), norms[1](k)
-    q = constrain(apply_rope(q, positions, c.rope_theta, c.rope_scaling), _Q_NAMES)
-    k = constrain(apply_rope(k, positions, c.rope_theta, c.rope_scaling), _KV_NAMES)
+    theta, scaling = c.rope_of(self.window_size)  # per layer type (Gemma 3)
+    q = constrain(apply_rope(q, positions, theta, scaling), _Q_NAMES)
+    k = constrain(apply_rope(k, positions, theta, scaling), _KV_NAMES)
     v = constrain(v, _KV_NAMES)
     if tag:
       q, k, v = _tag_qkv(q, k, v)
@@ -141,7 +140,7 @@ class GQAAttention(nn.Module):
       positions=positions,
       causal=True,
       window_size=self.window_size,
-      softmax_scale=None,
+      softmax_scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5,
     )
     return constrain(out, _Q_NAMES)
 
@@ -222,7 +221,7 @@ class MLAAttention(nn.Module):
         "[head-chunks] TrainConfig.ulysses_stage_projections projects GQA/MHA heads; "
         "MLA layers take ulysses_head_chunks alone"
       )
-    norm = lambda name, axis: RMSNorm(c.norm_eps, cd, pd, axis_name=axis, name=name)
+    norm = lambda name, axis: norm_of(c, name, axis)  # noqa: E731
 
     if c.q_lora_rank:
       wq_a = param(self, "wq_a", fan_in_init([0], [1]), (d, c.q_lora_rank), ("embed", "q_lora"), pd)

@@ -32,8 +32,10 @@ from lctx.models.hf_config import (  # noqa: F401  (re-exported)
   check_shape_fields,
   config_from_hf,
   config_to_hf,
+  ignored_prefixes,
   load_config,
   read_config_json,
+  text_prefix,
 )
 from lctx.models.hf_export import save_pretrained  # noqa: F401  (re-exported)
 from lctx.models.hf_layout import (  # noqa: F401  (re-exported)
@@ -103,8 +105,8 @@ class PretrainedReader:
     else:
       check_shape_fields(file_config, config, path)
     self.config = config
-    self.entries = layout(config)
     self._file_of, headers = _scan_files(path)
+    self.entries = layout(config, text_prefix(self.hf_config, headers))
     self._check(headers)
 
   def _check(self, headers: dict[str, tuple[str, tuple[int, ...]]]) -> None:
@@ -125,8 +127,11 @@ class PretrainedReader:
       if dtype not in FLOAT_DTYPES:
         raise ValueError(f"{where} has dtype {dtype}; lctx reads {sorted(FLOAT_DTYPES)}")
     tied_head = {"lm_head.weight"} if self.config.tie_embeddings else set()
+    skipped = ignored_prefixes(self.hf_config)
     unknown = sorted(
-      n for n in set(headers) - set(needed) - tied_head if not n.endswith(IGNORED_SUFFIXES)
+      n
+      for n in set(headers) - set(needed) - tied_head
+      if not n.endswith(IGNORED_SUFFIXES) and not n.startswith(skipped)
     )
     if unknown:
       raise ValueError(

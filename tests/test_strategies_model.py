@@ -25,6 +25,29 @@ MLA = models.ModelConfig(
   v_head_dim=8,
   mlp_dim=64,
 )
+# Gemma 3's layer pattern: two sliding layers (window 6: within every device's
+# chunk on these meshes, so they run window-aware) per global one, with its norms,
+# GELU-tanh MLP, embedding scale, query_pre_attn_scalar and RoPE per layer type.
+GEMMA = models.ModelConfig(
+  vocab_size=64,
+  d_model=32,
+  num_layers=3,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  mlp_dim=64,
+  qk_norm=True,
+  layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+  sliding_window=6,
+  norm_plus_one=True,
+  mlp_activation="gelu_tanh",
+  embed_scale=True,
+  post_sublayer_norms=True,
+  query_pre_attn_scalar=12.0,
+  rope_theta=1e6,
+  rope_scaling={"rope_type": "linear", "factor": 8.0},
+  sliding_rope_theta=1e4,
+)
 B, T = 4, 64
 
 
@@ -77,12 +100,17 @@ CASES = [
   pytest.param("ring", MODEL, dict(tensor=2, context=4), marks=SLOW),
   pytest.param("ring", MLA, dict(data=2, context=4), marks=SLOW),
   ("usp", MODEL, dict(context=2, context_ulysses=2, data=2)),
+  ("ring", GEMMA, dict(data=2, context=4)),
+  pytest.param("all_gather", GEMMA, dict(context=8), marks=SLOW),
+  pytest.param("ulysses", GEMMA, dict(context=2, data=2, fsdp=2), marks=SLOW),
+  pytest.param("usp", GEMMA, dict(context=2, context_ulysses=2, data=2), marks=SLOW),
 ]
 
 
 def _case_id(case):
   strategy, cfg, mesh = case.values if hasattr(case, "values") else case
-  return f"{strategy}-{cfg.attention}-" + "x".join(f"{k}{v}" for k, v in mesh.items())
+  kind = "gemma3" if cfg.layer_types else cfg.attention
+  return f"{strategy}-{kind}-" + "x".join(f"{k}{v}" for k, v in mesh.items())
 
 
 @pytest.mark.parametrize("strategy,model_cfg,mesh_kw", CASES, ids=[_case_id(c) for c in CASES])

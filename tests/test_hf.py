@@ -252,6 +252,27 @@ def test_gemma3_config_mapping(tmp_path):
   assert c.norm_plus_one and c.embed_scale and c.post_sublayer_norms and c.qk_norm
 
 
+def test_gemma3_published_config_equals_the_gin_model_file():
+  """google/gemma-3-4b-pt's config.json (its text_config keys; the rest are
+  transformers' defaults) maps to gin/models/gemma3_4b.gin."""
+  from lctx import configs
+
+  published = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": {
+      "hidden_size": 2560,
+      "intermediate_size": 10240,
+      "model_type": "gemma3_text",
+      "num_hidden_layers": 34,
+      "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+      "sliding_window": 1024,
+    },
+  }
+  gin_config = configs.model_config("gemma3_4b", dtype="float32", remat_policy="none")
+  assert hf.config_from_hf(published) == gin_config
+
+
 @pytest.mark.parametrize(
   "changes, message",
   [

@@ -45,11 +45,16 @@ def halo_fits(cfg: AttentionOptions, local_len: int, zigzag: bool) -> bool:
   return cfg.window_size - 1 <= run
 
 
-def halo_sources(ring_size: int, zigzag: bool) -> tuple[int, ...]:
-  """Offsets d of the devices r - d whose keys device r receives (-1: r + 1)."""
-  if ring_size == 1:
-    return ()
-  return (1, -1) if zigzag else (1,)
+_LANES = 128  # TPU kernels (splash) take lengths in multiples of this
+
+
+def halo_length(window: int, run: int) -> int:
+  """Tokens sent: w - 1, rounded up to a multiple of 128 (at most the run) when
+  the run is one, so [halo, run] stays a length the TPU kernels take; the extra
+  keys are outside every window and masked."""
+  if run % _LANES:
+    return window - 1
+  return min(run, -(-(window - 1) // _LANES) * _LANES)
 
 
 def _shift(xs, axis_names, size: int, offset: int):
@@ -78,7 +83,7 @@ def halo_attention_local(
   """Sliding-window attention of the local shard with the halo exchange (see
   the module docstring); requires halo_fits(cfg, T, zigzag)."""
   size, t = int(axis_size), q.shape[1]
-  h = cfg.window_size - 1
+  h = halo_length(cfg.window_size, t // 2 if zigzag else t)
   length = t * size
   r = jax.lax.axis_index(axis_names) if size > 1 else 0
   tail = lambda xs: tuple(x[:, x.shape[1] - h :] for x in xs)  # noqa: E731

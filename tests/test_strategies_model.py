@@ -7,6 +7,7 @@ import pytest
 
 from lctx import models
 from lctx.kernels import chunked_cross_entropy
+from lctx.parallel import halo
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -114,7 +115,12 @@ def _case_id(case):
 
 
 @pytest.mark.parametrize("strategy,model_cfg,mesh_kw", CASES, ids=[_case_id(c) for c in CASES])
-def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw):
+def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw, monkeypatch):
+  halo_calls = []  # the sliding layers' window-aware calls (lctx/parallel/halo.py)
+  real_halo = halo.halo_attention_local
+  monkeypatch.setattr(
+    halo, "halo_attention_local", lambda *a, **kw: halo_calls.append(1) or real_halo(*a, **kw)
+  )
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(**{"context": 1, **mesh_kw}))
   trainer = Trainer(
     model_cfg,
@@ -138,6 +144,8 @@ def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw):
       state["params"], dev
     )
   np.testing.assert_allclose(got_loss, want_loss, rtol=2e-5)
+  windowed = model_cfg.layer_types and strategy in ("ring", "all_gather", "usp")
+  assert bool(halo_calls) == bool(windowed), (strategy, len(halo_calls))
   jax.tree.map(
     lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5),
     got_grads,

@@ -32,12 +32,11 @@ from lctx.models.hf_config import (  # noqa: F401  (re-exported)
   check_shape_fields,
   config_from_hf,
   config_to_hf,
-  ignored_prefixes,
   load_config,
   read_config_json,
-  text_prefix,
 )
 from lctx.models.hf_export import save_pretrained  # noqa: F401  (re-exported)
+from lctx.models.hf_gemma import ignored_prefixes, text_prefix
 from lctx.models.hf_layout import (  # noqa: F401  (re-exported)
   FLOAT_DTYPES,
   IGNORED_SUFFIXES,

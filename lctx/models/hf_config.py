@@ -10,8 +10,8 @@ Families (the `architectures` entry of config.json):
                       global layers (`layer_types`) with RoPE per layer type;
   Gemma3ForConditionalGeneration  its language model only (the vision tower and
                       projector are left unread).
-Gemma 3 is mapped in lctx/models/hf_gemma.py. Everything else is refused with one ValueError naming the architecture or the
-field, before any tensor is read. Defaults for absent keys are those of the
+Gemma 3 is mapped in lctx/models/hf_gemma.py. Everything else is refused with
+one ValueError naming the architecture or the field, before any tensor is read. Defaults for absent keys are those of the
 transformers config classes (e.g. Mistral's sliding_window 4096, Qwen3's head_dim 128).
 """
 

@@ -64,6 +64,12 @@ class Trainer:
 
   def __init__(self, model_cfg: models.ModelConfig, train_cfg: TrainConfig, mesh):
     self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
+    if model_cfg.final_logit_softcap is not None:
+      raise ValueError(
+        "ModelConfig.final_logit_softcap: the trainer's chunked loss and scores take "
+        "the hidden state and the unembedding, not the model's logits, and do not "
+        "apply the cap; train with final_logit_softcap=None"
+      )
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     if train_cfg.cpu_keep_freed_memory and on_cpu:
       host.keep_freed_memory()

@@ -426,3 +426,31 @@ def test_compile_errors_name_the_problem():
     compile_lib.compile_step(exp, topology="v9z:2x2")
   with pytest.raises(ValueError, match="--compile_topology"):
     compile_lib.run_compile(exp, "/tmp/unused", topology="")
+
+
+def test_sliding_layers_move_only_their_halo_under_ring(tmp_path):
+  """`--mode=compile` of the ring file (zigzag, 4-way ring on v5p:2x2x1) with two
+  sliding-window layers against the same model with two global layers: the
+  sliding layers' K/V travel as halos (window 256 of 1,024-token zigzag
+  chunks), so the compiled step's collective-permute bytes fall well below the
+  ring's. The parameter collectives are the same in both."""
+  sliding = {}
+  for kind in ("full_attention", "sliding_attention"):
+    exp = _experiment(
+      "gin/ring_v5p.gin",
+      [
+        *TINY,
+        "MeshConfig.fsdp = 1",
+        "MeshConfig.context = 4",
+        "TrainConfig.batch_size = 1",
+        "TrainConfig.seq_len = 8192",
+        f"ModelConfig.layer_types = ['{kind}', '{kind}']",
+        "ModelConfig.sliding_window = 256",
+      ],
+    )
+    record = compile_lib.run_compile(exp, str(tmp_path / kind), topology="v5p:2x2x1")
+    sliding[kind] = record["collective_bytes_by_kind"]
+  permute = {k: v["collective-permute"] for k, v in sliding.items()}
+  assert permute["sliding_attention"] * 4 < permute["full_attention"], permute
+  for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+    assert sliding["sliding_attention"][kind] == sliding["full_attention"][kind], kind

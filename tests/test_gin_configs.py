@@ -165,6 +165,10 @@ def test_model_size_files_are_the_published_sizes():
   # gin/models/*.gin are the only place model sizes are written.
   assert round(configs.model_config("llama3_8b").num_params() / 1e9, 2) == 8.03
   assert round(configs.model_config("llama3_70b").num_params() / 1e9, 1) == 70.6
+  # Gemma 3 technical report, Table 1: non-embedding parameters of the text decoder.
+  for name, millions in (("gemma3_4b", 3209), ("gemma3_12b", 10759)):
+    c = configs.model_config(name)
+    assert round((c.num_params() - c.vocab_size * c.d_model) / 1e6) == millions, name
   tiny = configs.model_config("tiny", num_layers=3)
   assert (tiny.d_model, tiny.num_layers, tiny.num_heads, tiny.num_kv_heads) == (128, 3, 4, 2)
   with pytest.raises(ValueError, match="no model size 'llama9'"):

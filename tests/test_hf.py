@@ -33,6 +33,19 @@ TINY = dict(
 )
 
 
+GEMMA3_TINY = dict(
+  num_hidden_layers=6,
+  head_dim=8,
+  layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+  sliding_window=5,
+  query_pre_attn_scalar=12,
+  rope_parameters={
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+  },
+)
+
+
 def _build(tmp_path, family: str, name: str = "hf", **overrides):
   """A random transformers model of `family` saved (sharded) under tmp_path/name."""
   config_cls = getattr(transformers, f"{family}Config")
@@ -101,6 +114,11 @@ FAMILIES = {
   "mistral_window": ("Mistral", dict(sliding_window=5)),
   "qwen2_bias_tied": ("Qwen2", dict(tie_word_embeddings=True)),
   "qwen3_qk_norm": ("Qwen3", dict(head_dim=12)),
+  # Gemma 3: two sliding layers per global one (scanned twice), a window shorter
+  # than T, RoPE per layer type (linear scaling on the global layers only), a
+  # query_pre_attn_scalar other than head_dim, and a final logit cap.
+  "gemma3_pattern": ("Gemma3Text", dict(GEMMA3_TINY, final_logit_softcapping=3.0)),
+  "gemma3_untied": ("Gemma3Text", dict(GEMMA3_TINY, tie_word_embeddings=False)),
 }
 
 
@@ -123,7 +141,7 @@ def test_config_mapping(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama_llama3", "mistral_window", "qwen2_bias_tied",
-                                  "qwen3_qk_norm"])  # fmt: skip
+                                  "qwen3_qk_norm", "gemma3_pattern", "gemma3_untied"])  # fmt: skip
 def test_export_reloads_in_transformers(tmp_path, case):
   family, overrides = FAMILIES[case]
   path, model = _build(tmp_path, family, **overrides)
@@ -208,7 +226,7 @@ def test_refuses_truncated_file(tmp_path):
   "changes, message",
   [
     (dict(architectures=["MixtralForCausalLM"]), "MixtralForCausalLM .* mixture-of-experts"),
-    (dict(architectures=["Gemma2ForCausalLM"]), "Gemma2ForCausalLM .* Gemma-style"),
+    (dict(architectures=["Gemma2ForCausalLM"]), "Gemma2ForCausalLM .* softcapping"),
     (dict(architectures=["GPT2LMHeadModel"]), "'GPT2LMHeadModel' is not supported"),
     (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "rope_type 'dynamic'"),
     (dict(rope_parameters=None, rope_scaling=dict(type="longrope")), "rope_type 'longrope'"),
@@ -222,6 +240,78 @@ def test_refuses_unsupported_configs(tmp_path, changes, message):
   _edit_config(path, **changes)
   with pytest.raises(ValueError, match=message):
     hf.load_pretrained(path)
+
+
+def test_gemma3_config_mapping(tmp_path):
+  path, _ = _build(tmp_path, "Gemma3Text", **GEMMA3_TINY)
+  c = hf.load_config(path)
+  assert c.attention_pattern == (5, 5, None) and c.num_repeats == 2
+  assert (c.rope_theta, c.rope_scaling_dict) == (1e6, {"factor": 8.0, "rope_type": "linear"})
+  assert (c.sliding_rope_theta, c.sliding_rope_scaling) == (1e4, ())
+  assert (c.query_pre_attn_scalar, c.mlp_activation, c.tie_embeddings) == (12.0, "gelu_tanh", True)
+  assert c.norm_plus_one and c.embed_scale and c.post_sublayer_norms and c.qk_norm
+
+
+def test_gemma3_published_config_equals_the_gin_model_file():
+  """google/gemma-3-4b-pt's config.json (its text_config keys; the rest are
+  transformers' defaults) maps to gin/models/gemma3_4b.gin."""
+  from lctx import configs
+
+  published = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": {
+      "hidden_size": 2560,
+      "intermediate_size": 10240,
+      "model_type": "gemma3_text",
+      "num_hidden_layers": 34,
+      "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+      "sliding_window": 1024,
+    },
+  }
+  gin_config = configs.model_config("gemma3_4b", dtype="float32", remat_policy="none")
+  assert hf.config_from_hf(published) == gin_config
+
+
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    (dict(use_bidirectional_attention=True), "bidirectional attention"),
+    (dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+  ],
+)
+def test_gemma3_refusals(tmp_path, changes, message):
+  path, _ = _build(tmp_path, "Gemma3Text", **GEMMA3_TINY)
+  _edit_config(path, **changes)
+  with pytest.raises(ValueError, match=message):
+    hf.load_config(path)
+
+
+def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path):
+  text = transformers.Gemma3TextConfig(**{**TINY, **GEMMA3_TINY})
+  vision = transformers.SiglipVisionConfig(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+  )
+  cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+  torch.manual_seed(0)
+  model = transformers.Gemma3ForConditionalGeneration(cfg).float()
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      if "norm" in pname:
+        p.copy_(1.0 + 0.3 * torch.randn_like(p))
+  model.eval()
+  path = str(tmp_path / "mm")
+  model.save_pretrained(path)
+  config, params = hf.load_pretrained(path)  # the vision tower's tensors stay unread
+  assert config.post_sublayer_norms and config.attention_pattern == (5, 5, None)
+  ids, positions = _inputs()
+  _assert_close(_lctx_logits(config, params, ids, positions), _hf_logits(model, ids, positions))
 
 
 def test_config_must_match_checkpoint_shapes(tmp_path):

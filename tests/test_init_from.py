@@ -270,6 +270,7 @@ CHANGES = {
   "linear_value_head_dim": (HYBRID, 8),
   "linear_conv_kernel_dim": (HYBRID, 3),
   "attention_output_gate": (TINY, True),
+  "post_sublayer_norms": (TINY, True),
 }
 FREE = {
   "rope_theta": 5e5,
@@ -285,6 +286,13 @@ FREE = {
   "sliding_window": 4,
   "partial_rotary_factor": 0.5,
   "mla_rope": False,
+  "norm_plus_one": True,
+  "mlp_activation": "gelu_tanh",
+  "embed_scale": True,
+  "query_pre_attn_scalar": 16.0,
+  "sliding_rope_theta": 1e4,
+  "sliding_rope_scaling": (("rope_type", "linear"), ("factor", 2.0)),
+  "final_logit_softcap": 30.0,
 }
 
 

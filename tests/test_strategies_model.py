@@ -7,6 +7,7 @@ import pytest
 
 from lctx import models
 from lctx.kernels import chunked_cross_entropy
+from lctx.parallel import halo
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -24,6 +25,29 @@ MLA = models.ModelConfig(
   qk_rope_head_dim=4,
   v_head_dim=8,
   mlp_dim=64,
+)
+# Gemma 3's layer pattern: two sliding layers (window 6: within every device's
+# chunk on these meshes, so they run window-aware) per global one, with its norms,
+# GELU-tanh MLP, embedding scale, query_pre_attn_scalar and RoPE per layer type.
+GEMMA = models.ModelConfig(
+  vocab_size=64,
+  d_model=32,
+  num_layers=3,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  mlp_dim=64,
+  qk_norm=True,
+  layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+  sliding_window=6,
+  norm_plus_one=True,
+  mlp_activation="gelu_tanh",
+  embed_scale=True,
+  post_sublayer_norms=True,
+  query_pre_attn_scalar=12.0,
+  rope_theta=1e6,
+  rope_scaling={"rope_type": "linear", "factor": 8.0},
+  sliding_rope_theta=1e4,
 )
 B, T = 4, 64
 
@@ -77,16 +101,26 @@ CASES = [
   pytest.param("ring", MODEL, dict(tensor=2, context=4), marks=SLOW),
   pytest.param("ring", MLA, dict(data=2, context=4), marks=SLOW),
   ("usp", MODEL, dict(context=2, context_ulysses=2, data=2)),
+  ("ring", GEMMA, dict(data=2, context=4)),
+  pytest.param("all_gather", GEMMA, dict(context=8), marks=SLOW),
+  pytest.param("ulysses", GEMMA, dict(context=2, data=2, fsdp=2), marks=SLOW),
+  pytest.param("usp", GEMMA, dict(context=2, context_ulysses=2, data=2), marks=SLOW),
 ]
 
 
 def _case_id(case):
   strategy, cfg, mesh = case.values if hasattr(case, "values") else case
-  return f"{strategy}-{cfg.attention}-" + "x".join(f"{k}{v}" for k, v in mesh.items())
+  kind = "gemma3" if cfg.layer_types else cfg.attention
+  return f"{strategy}-{kind}-" + "x".join(f"{k}{v}" for k, v in mesh.items())
 
 
 @pytest.mark.parametrize("strategy,model_cfg,mesh_kw", CASES, ids=[_case_id(c) for c in CASES])
-def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw):
+def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw, monkeypatch):
+  halo_calls = []  # the sliding layers' window-aware calls (lctx/parallel/halo.py)
+  real_halo = halo.halo_attention_local
+  monkeypatch.setattr(
+    halo, "halo_attention_local", lambda *a, **kw: halo_calls.append(1) or real_halo(*a, **kw)
+  )
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(**{"context": 1, **mesh_kw}))
   trainer = Trainer(
     model_cfg,
@@ -110,6 +144,8 @@ def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw):
       state["params"], dev
     )
   np.testing.assert_allclose(got_loss, want_loss, rtol=2e-5)
+  windowed = model_cfg.layer_types and strategy in ("ring", "all_gather", "usp")
+  assert bool(halo_calls) == bool(windowed), (strategy, len(halo_calls))
   jax.tree.map(
     lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5),
     got_grads,

@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lctx import kernels
 from lctx.errors import ConfigError
 from lctx.models.config import ModelConfig, rotary_dim
-from lctx.models.layers import RMSNorm, constrain, fan_in_init, param
+from lctx.models.layers import constrain, fan_in_init, norm_of, param
 from lctx.models.rope import apply_rope
 from lctx.parallel.mixer import SequenceMixer, as_mixer
 
@@ -61,13 +61,15 @@ def reference_attention_fn(
   )
 
 
-def _rope(c: ModelConfig, x, positions):
+def _rope(c: ModelConfig, x, positions, window_size: int | None = None):
   """RoPE on the first rotary_dim(c) dims of each head `[B, T, *, H]` (all of them
-  unless partial_rotary_factor < 1, as transformers' apply_rotary_pos_emb)."""
+  unless partial_rotary_factor < 1, as transformers' apply_rotary_pos_emb), with
+  the schedule of the layer's type (c.rope_of: Gemma 3's sliding layers differ)."""
   rot = rotary_dim(c)
+  theta, scaling = c.rope_of(window_size)
   if rot == x.shape[-1]:
-    return apply_rope(x, positions, c.rope_theta, c.rope_scaling)
-  rotated = apply_rope(x[..., :rot], positions, c.rope_theta, c.rope_scaling)
+    return apply_rope(x, positions, theta, scaling)
+  rotated = apply_rope(x[..., :rot], positions, theta, scaling)
   return jnp.concatenate([rotated, x[..., rot:]], axis=-1)
 
 
@@ -116,9 +118,7 @@ class GQAAttention(nn.Module):
     if c.qk_norm:
       # Declared here, applied in _attend (which may run inside a scan over stages).
       probe = jnp.zeros((h,), c.dtype)
-      norm = lambda name: RMSNorm(  # noqa: E731
-        c.norm_eps, c.dtype, c.param_dtype, axis_name="head_dim", name=name
-      )(probe, as_function=True)
+      norm = lambda name: norm_of(c, name, "head_dim")(probe, as_function=True)  # noqa: E731
       norms = (norm("q_norm"), norm("k_norm"))
     gate = None
     if c.attention_output_gate:
@@ -150,8 +150,8 @@ class GQAAttention(nn.Module):
     c = self.config
     if norms is not None:
       q, k = norms[0](q), norms[1](k)
-    q = constrain(_rope(c, q, positions), _Q_NAMES)
-    k = constrain(_rope(c, k, positions), _KV_NAMES)
+    q = constrain(_rope(c, q, positions, self.window_size), _Q_NAMES)
+    k = constrain(_rope(c, k, positions, self.window_size), _KV_NAMES)
     v = constrain(v, _KV_NAMES)
     if tag:
       q, k, v = _tag_qkv(q, k, v)
@@ -163,7 +163,7 @@ class GQAAttention(nn.Module):
       positions=positions,
       causal=True,
       window_size=self.window_size,
-      softmax_scale=None,
+      softmax_scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5,
     )
     return constrain(out, _Q_NAMES)
 
@@ -244,7 +244,7 @@ class MLAAttention(nn.Module):
         "[head-chunks] TrainConfig.ulysses_stage_projections projects GQA/MHA heads; "
         "MLA layers take ulysses_head_chunks alone"
       )
-    norm = lambda name, axis: RMSNorm(c.norm_eps, cd, pd, axis_name=axis, name=name)
+    norm = lambda name, axis: norm_of(c, name, axis)  # noqa: E731
 
     if c.q_lora_rank:
       wq_a = param(self, "wq_a", fan_in_init([0], [1]), (d, c.q_lora_rank), ("embed", "q_lora"), pd)

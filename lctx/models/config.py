@@ -15,6 +15,7 @@ from lctx.parallel.mixer import LAYER_TYPES
 
 ATTENTION_KINDS = ("mha_gqa", "mla")
 LINEAR_KINDS = ("gated_deltanet", "kda")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # Named activations (jax.ad_checkpoint.checkpoint_name) a remat policy can keep on
 # the device, offload to pinned host memory or recompute. Shapes per layer:
 #   layer_input [B, T, D] (one per layer, or per group with remat_group_size > 1);
@@ -196,6 +197,32 @@ class ModelConfig:
   mla_rope: bool = True
   """MLA: rotate the rope dims of q and the shared key. False: no RoPE at all,
     the dims stay as projected (Kimi Linear's MLA layers)."""
+  # ---- Gemma-family options (h-gemma); the defaults are the Llama family ----
+  norm_plus_one: bool = False
+  """Every RMSNorm multiplies by (1 + scale), scale initialised to 0 (Gemma's
+    zero-centred norms, q/k norms included)."""
+  mlp_activation: str = "silu"
+  """The gated MLP's activation (MLP_ACTIVATIONS): 'silu' (SwiGLU) or 'gelu_tanh'
+    (GeGLU with the tanh GELU: transformers' gelu_pytorch_tanh, Gemma)."""
+  embed_scale: bool = False
+  """Multiply the embedding by sqrt(d_model), the factor rounded to the compute
+    dtype first (Gemma: sqrt(3072) is 55.5 in bfloat16)."""
+  post_sublayer_norms: bool = False
+  """Norms after each sub-layer too: x + norm(attn(norm(x))), then
+    + norm(mlp(norm(.))) (Gemma 2/3's post-attention and post-feedforward norms):
+    params post_attn_norm/scale and post_mlp_norm/scale [D]."""
+  query_pre_attn_scalar: float | None = None
+  """Attention logits scale by query_pre_attn_scalar^-0.5 instead of head_dim^-0.5
+    (Gemma). None: head_dim^-0.5 (MLA: its own)."""
+  sliding_rope_theta: float | None = None
+  """RoPE base of the sliding-window layers (with sliding_rope_scaling); None:
+    rope_theta and rope_scaling apply to every layer. Gemma 3: 10,000 local and
+    1,000,000 with linear scaling global."""
+  sliding_rope_scaling: tuple[tuple[str, Any], ...] = ()
+  """rope_scaling of the sliding-window layers (needs sliding_rope_theta); empty:
+    the default schedule."""
+  final_logit_softcap: float | None = None
+  """logits = cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping); None: off."""
 
   def __post_init__(self):
     # Gin may hand lists for remat_custom; keep the config hashable.
@@ -203,6 +230,8 @@ class ModelConfig:
     if isinstance(custom, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in custom):
       object.__setattr__(self, "remat_custom", tuple(tuple(p) for p in custom))
     object.__setattr__(self, "rope_scaling", rope.scaling_pairs(self.rope_scaling))
+    scaling = rope.scaling_pairs(self.sliding_rope_scaling)
+    object.__setattr__(self, "sliding_rope_scaling", scaling)
     if self.layer_types:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
       object.__setattr__(self, "attention_pattern", _pattern_of_layer_types(self))
@@ -241,6 +270,13 @@ class ModelConfig:
       return self.num_heads, self.num_heads, qk, self.v_head_dim
     return self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim
 
+  def rope_of(self, window_size: int | None) -> tuple[float, dict[str, Any] | None]:
+    """(theta, rope_scaling dict or None) of a layer with this window (None: a
+    full-attention layer)."""
+    if window_size is not None and self.sliding_rope_theta is not None:
+      return self.sliding_rope_theta, dict(self.sliding_rope_scaling) or None
+    return self.rope_theta, self.rope_scaling_dict
+
   def window_of_layer(self, layer: int) -> int | None:
     return self.attention_pattern[layer % len(self.attention_pattern)]
 
@@ -269,6 +305,7 @@ class ModelConfig:
     d, e = self.d_model, self.vocab_size
     per_layer = 2 * d + 3 * d * self.mlp_dim + _attention_matmul_params(self)
     per_layer += _attention_norm_params(self)
+    per_layer += 2 * d if self.post_sublayer_norms else 0
     total = self.num_layers * per_layer + d  # + final norm
     linear = sum(t == "linear_attention" for t in self.layer_types)  # their own mixers
     total += linear * (linear_layer_params(self) - per_layer + 2 * d + 3 * d * self.mlp_dim)
@@ -415,6 +452,7 @@ def validate(c: ModelConfig) -> None:
   _validate_remat_group(c)
   _validate_layer_input_pieces(c)
   rope.validate_scaling(c.rope_scaling_dict)
+  _validate_gemma_options(c)
   if c.attention == "mla" and (c.qkv_bias or c.qk_norm):
     raise ValueError("qkv_bias and qk_norm apply to mha_gqa attention; MLA has its own norms")
   for name in ("dtype", "param_dtype"):
@@ -489,6 +527,7 @@ SHAPE_FIELDS = (
   "linear_value_head_dim",
   "linear_conv_kernel_dim",
   "attention_output_gate",
+  "post_sublayer_norms",
 )
 """Fields that fix the parameters' names and shapes (a pretrained checkpoint's
 config.json sets them). Every other field (RoPE, dtypes, remat, chunking, windows)
@@ -622,3 +661,16 @@ def linear_layer_flops(c: ModelConfig, seq_len: int) -> float:
   hv, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
   chunk = min(64, seq_len)
   return 2.0 * linear_layer_params(c) + 4.0 * hv * k * v + 2.0 * chunk * hv * (k + v)
+
+
+def _validate_gemma_options(c: ModelConfig) -> None:
+  """The Gemma-family fields: activation, scales, per-layer-type RoPE."""
+  if c.mlp_activation not in MLP_ACTIVATIONS:
+    raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}; got {c.mlp_activation!r}")
+  for name in ("query_pre_attn_scalar", "sliding_rope_theta", "final_logit_softcap"):
+    value = getattr(c, name)
+    if value is not None and not value > 0:
+      raise ValueError(f"{name} must be None or > 0; got {value!r}")
+  if c.sliding_rope_scaling and c.sliding_rope_theta is None:
+    raise ValueError("sliding_rope_scaling needs sliding_rope_theta (the sliding layers' base)")
+  rope.validate_scaling(dict(c.sliding_rope_scaling) or None)

@@ -38,6 +38,7 @@ from lctx.models.hf_config import (  # noqa: F401  (re-exported)
   read_config_json,
 )
 from lctx.models.hf_export import save_pretrained  # noqa: F401  (re-exported)
+from lctx.models.hf_gemma import ignored_prefixes, text_prefix
 from lctx.models.hf_layout import (  # noqa: F401  (re-exported)
   FLOAT_DTYPES,
   IGNORED_SUFFIXES,
@@ -112,9 +113,9 @@ class PretrainedReader:
     else:
       check_shape_fields(file_config, config, path)
     self.config = config
-    self.entries = layout(config, architecture_of(self.hf_config, path))
     self._file_of, headers = _scan_files(path)
     arch = architecture_of(self.hf_config, path)
+    self.entries = layout(config, arch, text_prefix(self.hf_config, headers))
     # Canonical (layout) name -> stored name, where a family stores some tensors
     # under another name (lctx.models.hf_hybrid.stored_name).
     self._stored = {}
@@ -145,8 +146,11 @@ class PretrainedReader:
       if dtype not in FLOAT_DTYPES:
         raise ValueError(f"{where} has dtype {dtype}; lctx reads {sorted(FLOAT_DTYPES)}")
     tied_head = {"lm_head.weight"} if self.config.tie_embeddings else set()
+    skipped = ignored_prefixes(self.hf_config)
     unknown = sorted(
-      n for n in set(headers) - set(needed) - tied_head if not n.endswith(IGNORED_SUFFIXES)
+      n
+      for n in set(headers) - set(needed) - tied_head
+      if not n.endswith(IGNORED_SUFFIXES) and not n.startswith(skipped)
     )
     if unknown:
       raise ValueError(

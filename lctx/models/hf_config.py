@@ -6,9 +6,15 @@ Families (the `architectures` entry of config.json):
   Qwen2ForCausalLM    q/k/v biases, often tied embeddings;
   Qwen3ForCausalLM    RMSNorm on q and k per head, a free `head_dim`;
   Qwen3_5ForCausalLM, Qwen3NextForCausalLM, KimiLinearForCausalLM
-                      hybrids with linear-attention layers (lctx.models.hf_hybrid).
-Everything else is refused with one ValueError naming the architecture or the
-field, before any tensor is read. Defaults for absent keys are those of the
+                      hybrids with linear-attention layers (lctx.models.hf_hybrid);
+  Gemma3ForCausalLM   (1 + weight) norms before and after each sub-layer, q/k norms,
+                      GELU-tanh MLP, sqrt(d_model) embedding scale, sliding and
+                      global layers (`layer_types`) with RoPE per layer type;
+  Gemma3ForConditionalGeneration  its language model only (the vision tower and
+                      projector are left unread).
+Gemma 3 is mapped in lctx/models/hf_gemma.py. Everything else is refused with
+one ValueError naming the architecture or the field, before any tensor is read.
+Defaults for absent keys are those of the
 transformers config classes (e.g. Mistral's sliding_window 4096, Qwen3's head_dim 128).
 """
 
@@ -40,11 +46,10 @@ _REFUSED = {
     "OlmoeForCausalLM",
     "GptOssForCausalLM",
   ),
-  "Gemma-style (1 + weight) RMSNorm and embedding scaling": (
+  "Gemma-style layers other than Gemma 3's (Gemma 1's single norms; Gemma 2's "
+  "attention-logit softcapping)": (
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration",
   ),
 }
 # Keys whose presence (with a value that means "on") marks an unsupported feature.
@@ -68,7 +73,7 @@ def read_config_json(path: str) -> dict[str, Any]:
 
 
 def architecture_of(hf: Mapping[str, Any], where: str = "config.json") -> str:
-  model_types = {**MODEL_TYPES, **hf_hybrid.MODEL_TYPES}
+  model_types = {**MODEL_TYPES, **hf_hybrid.MODEL_TYPES, **GEMMA3_MODEL_TYPES}
   archs = hf.get("architectures") or [model_types.get(hf.get("model_type"), hf.get("model_type"))]
   if len(archs) != 1:
     raise ValueError(f"{where}: architectures={archs}: expected exactly one")
@@ -80,9 +85,11 @@ def architecture_of(hf: Mapping[str, Any], where: str = "config.json") -> str:
     raise ValueError(
       f"{where}: architecture {arch} is not supported: it has mixture-of-experts layers"
     )
-  if arch not in ARCHITECTURES + hf_hybrid.ARCHITECTURES:
-    readable = ", ".join(ARCHITECTURES + hf_hybrid.ARCHITECTURES)
-    raise ValueError(f"{where}: architecture {arch!r} is not supported; lctx reads {readable}")
+  known = ARCHITECTURES + hf_hybrid.ARCHITECTURES + GEMMA3_ARCHITECTURES
+  if arch not in known:
+    raise ValueError(
+      f"{where}: architecture {arch!r} is not supported; lctx reads {', '.join(known)}"
+    )
   return arch
 
 
@@ -126,6 +133,8 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json", **override
   arch = architecture_of(hf, where)
   if arch in hf_hybrid.ARCHITECTURES:
     return _build(hf_hybrid.fields_from_hf(hf, arch, where, _rope), overrides, where, arch)
+  if arch in GEMMA3_ARCHITECTURES:
+    return _gemma3_config(hf, arch, where, overrides)
   for key in _MOE_KEYS:
     _refuse_if(bool(hf.get(key)), where, arch, key, hf.get(key), "mixture-of-experts layers")
   act = hf.get("hidden_act", "silu")
@@ -200,6 +209,8 @@ def architecture_for(config: ModelConfig) -> str:
   if hybrid is not None:
     hf_hybrid.check_exportable(config, hybrid)
     return hybrid
+  if _gemma3_export_check(config):
+    return "Gemma3ForCausalLM"
   windows = set(config.attention_pattern)
   if config.attention != "mha_gqa":
     raise ValueError(f"attention={config.attention!r}: only mha_gqa exports to Hugging Face")
@@ -235,6 +246,8 @@ def config_to_hf(
     if {arch, architecture} != {hf_hybrid.QWEN3_5, hf_hybrid.QWEN3_NEXT}:
       raise ValueError(f"architecture={architecture!r}: this config exports as {arch}")
     arch = architecture
+  if arch == "Gemma3ForCausalLM":
+    return _gemma3_to_hf(config, dtype, max_position_embeddings)
   model_type = {v: k for k, v in MODEL_TYPES.items()}.get(arch)
   scaling = dict(config.rope_scaling_dict or {})
   if max_position_embeddings is None:
@@ -278,3 +291,28 @@ def config_to_hf(
   if arch == "MistralForCausalLM":
     hf["sliding_window"] = config.attention_pattern[0]
   return hf
+
+
+# ----------------------------------------------------------------------------
+# Gemma 3 (h-gemma): the mapping itself is lctx/models/hf_gemma.py
+# ----------------------------------------------------------------------------
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+GEMMA3_MODEL_TYPES = {"gemma3_text": GEMMA3_ARCHITECTURES[0], "gemma3": GEMMA3_ARCHITECTURES[1]}
+
+
+def _gemma3_config(hf, arch, where, overrides) -> ModelConfig:
+  from lctx.models import hf_gemma  # pylint: disable=g-import-not-at-top  (it imports this)
+
+  return hf_gemma.gemma3_config(hf, arch, where, overrides)
+
+
+def _gemma3_export_check(config: ModelConfig) -> bool:
+  from lctx.models import hf_gemma  # pylint: disable=g-import-not-at-top
+
+  return hf_gemma.gemma3_export_check(config)
+
+
+def _gemma3_to_hf(config: ModelConfig, dtype: str, max_position_embeddings: int | None):
+  from lctx.models import hf_gemma  # pylint: disable=g-import-not-at-top
+
+  return hf_gemma.gemma3_to_hf(config, dtype, max_position_embeddings)

@@ -48,6 +48,13 @@ _LAYER_RULES = {
   ("mlp", "wi_up"): ("mlp.up_proj.weight", True, 1),
   ("mlp", "wo"): ("mlp.down_proj.weight", True, 1),  # [F, D] <- [D, F]
 }
+# Gemma 2/3 (ModelConfig.post_sublayer_norms): four norms per layer, and
+# post_attention_layernorm is the norm AFTER attention, not the MLP's input norm.
+_SANDWICH_RULES = {
+  ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", False, 1),
+  ("post_attn_norm", "scale"): ("post_attention_layernorm.weight", False, 1),
+  ("post_mlp_norm", "scale"): ("post_feedforward_layernorm.weight", False, 1),
+}
 _TOP_RULES = {
   ("embedding",): ("model.embed_tokens.weight", False, 1),
   ("final_norm", "scale"): ("model.norm.weight", False, 1),
@@ -112,21 +119,29 @@ def param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
   return {tuple(k.key for k in kp): tuple(v.shape) for kp, v in flat}
 
 
-def layout(config: ModelConfig, architecture: str | None = None) -> dict[tuple[str, ...], Entry]:
+def layout(
+  config: ModelConfig, architecture: str | None = None, text_prefix: str = "model."
+) -> dict[tuple[str, ...], Entry]:
   """{lctx path: Entry} for every param of `config` (ValueError if one has no HF name).
 
   architecture: the HF family whose tensor names and fusions to use; None: the
-  one `config` exports to (the hybrid families differ from Llama's layout)."""
+  one `config` exports to (the hybrid families differ from Llama's layout).
+  text_prefix: where the decoder's tensors live ('model.' in a causal LM;
+  'language_model.model.' or 'model.language_model.' in Gemma 3's multimodal
+  checkpoints, whose text weights are all lctx reads)."""
   from lctx.models import hf_hybrid  # pylint: disable=g-import-not-at-top
 
   arch = architecture or hf_hybrid.default_architecture(config)
-  layer_rules = {**_LAYER_RULES, **hf_hybrid.layer_rules(config, arch)}
   top_rules = {**_TOP_RULES, **hf_hybrid.top_rules(arch)}
   period = len(config.attention_pattern)
+  layer_rules = {**_LAYER_RULES, **hf_hybrid.layer_rules(config, arch)}
+  if config.post_sublayer_norms:
+    layer_rules.update(_SANDWICH_RULES)
   entries = {}
   for path, shape in param_shapes(config).items():
     if path in top_rules:
       name, transposed, split, *extra = top_rules[path]
+      name = text_prefix + name[len("model.") :] if name.startswith("model.") else name
       entries[path] = Entry(path, shape, (name,), False, transposed, split, *extra)
       continue
     # ('layers', 'layer_{i}', ...) stacked over R, or ('layers_{r}', 'layer_{i}', ...).
@@ -139,7 +154,7 @@ def layout(config: ModelConfig, architecture: str | None = None) -> dict[tuple[s
       layers = [r * period + i for r in range(shape[0])]
     else:
       layers = [int(path[0][len("layers_") :]) * period + i]
-    names = tuple(f"model.layers.{l}.{name}" for l in layers)
+    names = tuple(f"{text_prefix}layers.{l}.{name}" for l in layers)
     entries[path] = Entry(path, shape, names, path[0] == "layers", transposed, split, *extra)
   return entries
 

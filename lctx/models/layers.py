@@ -39,12 +39,14 @@ def constrain(x, names: tuple[str, ...]):
 
 
 class RMSNorm(nn.Module):
-  """x / rms(x) * scale over the last axis, computed in float32."""
+  """x / rms(x) * scale over the last axis, computed in float32; with plus_one,
+  x / rms(x) * (1 + scale) (Gemma's zero-centred scale, initialised to 0)."""
 
   eps: float = 1e-5
   dtype: str = "float32"
   param_dtype: str = "float32"
   axis_name: str = "embed"
+  plus_one: bool = False
 
   @nn.compact
   def __call__(self, x, *, as_function: bool = False):
@@ -52,15 +54,14 @@ class RMSNorm(nn.Module):
     function (closed over the scale), for a consumer that applies it to one
     sequence chunk at a time (chunked MLP, chunked loss): its float32 values
     and cotangents then exist for one chunk, not for all T tokens."""
-    scale = param(
-      self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
-    )
-    fn = RMSNormFn(scale, self.eps, jnp.dtype(self.dtype).name)
+    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+    scale = param(self, "scale", init, (x.shape[-1],), (self.axis_name,), self.param_dtype)
+    fn = RMSNormFn(scale, self.eps, jnp.dtype(self.dtype).name, 1.0 if self.plus_one else 0.0)
     return fn if as_function else fn(x)
 
 
 @functools.partial(
-  jax.tree_util.register_dataclass, data_fields=["scale"], meta_fields=["eps", "dtype"]
+  jax.tree_util.register_dataclass, data_fields=["scale"], meta_fields=["eps", "dtype", "offset"]
 )
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: scale may be a tracer
 class RMSNormFn:
@@ -70,9 +71,13 @@ class RMSNormFn:
   scale: jax.Array
   eps: float
   dtype: str
+  offset: float = 0.0  # 1.0: the norm multiplies by (1 + scale), in float32
 
   def __call__(self, x):
-    return rms_norm(x, self.scale.astype(jnp.float32), self.eps).astype(self.dtype)
+    scale = self.scale.astype(jnp.float32)
+    if self.offset:
+      scale = scale + self.offset
+    return rms_norm(x, scale, self.eps).astype(self.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -124,15 +129,29 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 _dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 
 
+_ACTIVATIONS = {
+  "silu": nn.silu,
+  # transformers' gelu_pytorch_tanh (Gemma's hidden_activation)
+  "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def norm_of(c: ModelConfig, name: str, axis_name: str = "embed") -> RMSNorm:
+  """The model's RMSNorm (eps, dtypes and (1 + scale) form from the config)."""
+  return RMSNorm(c.norm_eps, c.dtype, c.param_dtype, axis_name, c.norm_plus_one, name=name)
+
+
 class MLP(nn.Module):
-  """SwiGLU: (silu(x Wg) * (x Wu)) Wo, optionally over sequence chunks."""
+  """Gated MLP: (act(x Wg) * (x Wu)) Wo (act: ModelConfig.mlp_activation, SwiGLU by
+  default), optionally over sequence chunks."""
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, pre=None):
+  def __call__(self, x, pre=None, post=None):
     """x `[B, T, D]` (compute dtype) -> `[B, T, D]`; pre: an optional per-token
-    function applied to x first, inside the chunks (the layer's RMSNorm)."""
+    function applied to x first, inside the chunks (the layer's RMSNorm); post:
+    one applied to the output, inside the chunks (a post-MLP norm)."""
     c = self.config
     d, f = c.d_model, c.mlp_dim
     w_gate = param(self, "wi_gate", fan_in_init([0], [1]), (d, f), ("embed", "mlp"), c.param_dtype)
@@ -150,9 +169,11 @@ class MLP(nn.Module):
       # tokens). Remat tags (lctx.models.config.REMAT_TAGS) as before.
       gate = checkpoint_name(jnp.einsum("BTD,DF->BTF", xc, w_gate), "mlp_gate")
       up = checkpoint_name(jnp.einsum("BTD,DF->BTF", xc, w_up), "mlp_up")
-      hidden = constrain(nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
+      act = _ACTIVATIONS[c.mlp_activation]
+      hidden = constrain(act(gate) * up, ("act_batch", "act_seq", "act_mlp"))
       hidden = checkpoint_name(hidden, "mlp_hidden")
-      return checkpoint_name(jnp.einsum("BTF,FD->BTD", hidden, w_out), "mlp_out")
+      out = checkpoint_name(jnp.einsum("BTF,FD->BTD", hidden, w_out), "mlp_out")
+      return out if post is None else post(out)
 
     if c.mlp_chunk_size is None or c.mlp_chunk_size >= x.shape[1]:
       return mlp(x)

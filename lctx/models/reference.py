@@ -100,7 +100,13 @@ def _mla(p, x, pos, vis, c):
 def reference_forward(
   params, config: ModelConfig, inputs, positions, segment_ids, return_hidden: bool = False
 ):
-  """logits `[B, T, E]` float32 (or final-normed hidden `[B, T, D]`), all in f32."""
+  """logits `[B, T, E]` float32 (or final-normed hidden `[B, T, D]`), all in f32.
+  Llama-family layers only: Gemma's layer fields are checked against transformers
+  (tests/test_hf.py) instead."""
+  gemma = ("norm_plus_one", "embed_scale", "post_sublayer_norms", "query_pre_attn_scalar",
+           "sliding_rope_theta", "final_logit_softcap")  # fmt: skip
+  if config.mlp_activation != "silu" or any(getattr(config, f) for f in gemma):
+    raise ValueError("reference_forward computes Llama-family layers; this config has Gemma's")
   params = nn.unbox(params)
   params = params.get("params", params)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dict(params))

@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lctx.models.attention import GQAAttention, MLAAttention, reference_attention_fn
 from lctx.models.config import ModelConfig
-from lctx.models.layers import MLP, RMSNorm, constrain, param
+from lctx.models.layers import MLP, constrain, norm_of, param
 from lctx.models.linear_attention import GatedDeltaNet, KimiDeltaAttention
 
 _ACT = ("act_batch", "act_seq", "act_embed")
@@ -44,7 +44,8 @@ def tag_layer_input(x, pieces: int = 1, name: str = LAYER_INPUT_NAME):
 
 
 class DecoderLayer(nn.Module):
-  """x + attn(norm(x)), then + mlp(norm(.)). x `[B, T, D]` -> `[B, T, D]`."""
+  """x + attn(norm(x)), then + mlp(norm(.)); with post_sublayer_norms each
+  sub-layer's output is normed too (Gemma). x `[B, T, D]` -> `[B, T, D]`."""
 
   config: ModelConfig
   mixer: Callable  # a SequenceMixer (lctx/parallel/mixer.py) or an attention function
@@ -61,14 +62,17 @@ class DecoderLayer(nn.Module):
     x = constrain(x, _ACT)
     if self.input_tag:  # what 'offload_layer_inputs' and friends keep or offload
       x = tag_layer_input(x, c.layer_input_pieces, self.input_tag)
-    h = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="attn_norm")(x)
-    x = x + self._token_mixer()(h, segment_ids, positions)
-    x = constrain(x, _ACT)
-    # The norm runs inside the MLP's sequence chunks (one chunk's float32 norm
+    h = norm_of(c, "attn_norm")(x)
+    h = self._token_mixer()(h, segment_ids, positions)
+    if c.post_sublayer_norms:
+      h = norm_of(c, "post_attn_norm")(h)
+    x = constrain(x + h, _ACT)
+    # The norms run inside the MLP's sequence chunks (one chunk's float32 norm
     # and its cotangent at a time; at Llama-8B with 524,288 tokens per device
     # the whole-sequence f32 value is 8 GiB).
-    norm = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="mlp_norm")(x, as_function=True)
-    return constrain(x + MLP(c, name="mlp")(x, pre=norm), _ACT)
+    norm = norm_of(c, "mlp_norm")(x, as_function=True)
+    post = norm_of(c, "post_mlp_norm")(x, as_function=True) if c.post_sublayer_norms else None
+    return constrain(x + MLP(c, name="mlp")(x, pre=norm, post=post), _ACT)
 
   def _token_mixer(self) -> nn.Module:
     """The module that mixes tokens in this layer: attention (params under
@@ -249,6 +253,8 @@ class Transformer(nn.Module):
       c.param_dtype,
     )
     x = constrain(jnp.take(embedding, inputs, axis=0).astype(c.dtype), _ACT)  # [B, T, D]
+    if c.embed_scale:  # the factor rounded to the compute dtype, as Gemma does
+      x = x * jnp.asarray(c.d_model**0.5, c.dtype)
 
     if c.scan_layers and c.remat_group_size > 1:
       stacked = self.param("layers", lambda rng: _init_stacked_blocks(c, rng))
@@ -267,7 +273,7 @@ class Transformer(nn.Module):
       for r in range(c.num_repeats):
         x, _ = Block(c, self.mixer, name=f"layers_{r}")(x, segment_ids, positions)
 
-    final_norm = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="final_norm")
+    final_norm = norm_of(c, "final_norm")
     # Created even for return_hidden, so init with either output has every param.
     w = embedding.T if c.tie_embeddings else Unembed(c, name="unembed")()  # [D, E]
     if return_hidden == "pre_norm":
@@ -275,8 +281,10 @@ class Transformer(nn.Module):
     x = final_norm(x)
     if return_hidden:
       return x
-    logits = jnp.einsum("BTD,DE->BTE", x, w.astype(c.dtype))
-    return constrain(logits.astype(jnp.float32), ("act_batch", "act_seq", "act_vocab"))
+    logits = jnp.einsum("BTD,DE->BTE", x, w.astype(c.dtype)).astype(jnp.float32)
+    if c.final_logit_softcap is not None:
+      logits = c.final_logit_softcap * jnp.tanh(logits / c.final_logit_softcap)
+    return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
 
 
 class Unembed(nn.Module):

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from lctx.errors import ConfigError
 from lctx.kernels.options import AttentionOptions, options_from
+from lctx.parallel import halo
 from lctx.parallel.all_gather import all_gather_attention_local
 from lctx.parallel.auto import choose_strategy
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
@@ -61,7 +62,45 @@ def _present(mesh, axes):
   return names or None
 
 
-def _local_fn(strategy: str, mesh, cfg: AttentionOptions):
+def _local_fn(strategy: str, mesh, cfg: AttentionOptions, window_aware: bool = False):
+  plain = _plain_local_fn(strategy, mesh, cfg)
+  if not window_aware or cfg.window_size is None or cfg.token_order is None:
+    return plain
+  return _window_aware_fn(strategy, mesh, cfg, plain)
+
+
+def _window_aware_fn(strategy: str, mesh, cfg: AttentionOptions, plain):
+  """A sliding layer's local call (lctx/parallel/halo.py): ring, all_gather and
+  usp exchange only the halo the window needs; ulysses already runs the
+  windowed kernel on whole sequences after its all-to-all."""
+  shape = mesh_shape(mesh)
+  zigzag = bool(cfg.token_order)
+  if strategy == "ring":
+    return halo.window_aware(
+      plain, cfg=cfg, axis_names="context", axis_size=shape["context"], zigzag=zigzag
+    )
+  if strategy == "usp":
+    return halo.usp_window_aware(
+      plain,
+      cfg=cfg,
+      ring_axis="context",
+      ring_size=shape["context"],
+      ulysses_axis="context_ulysses",
+      ulysses_size=shape.get("context_ulysses", 1),
+      zigzag=zigzag,
+    )
+  if strategy == "all_gather":
+    axes = _present(mesh, SEQ_AXES) or ()
+    ways = 1
+    for a in axes:
+      ways *= shape[a]
+    if zigzag and ways != cfg.token_order:  # zigzag pieces split over more axes
+      return plain
+    return halo.window_aware(plain, cfg=cfg, axis_names=axes, axis_size=ways, zigzag=zigzag)
+  return plain
+
+
+def _plain_local_fn(strategy: str, mesh, cfg: AttentionOptions):
   shape = mesh_shape(mesh)
   if strategy == "all_gather":
     return functools.partial(
@@ -85,7 +124,9 @@ def _local_fn(strategy: str, mesh, cfg: AttentionOptions):
 
 
 @functools.cache
-def _sharded(mesh, strategy: str, cfg: AttentionOptions, kv_heads_sharded: bool):
+def _sharded(
+  mesh, strategy: str, cfg: AttentionOptions, kv_heads_sharded: bool, window_aware: bool = False
+):
   """jit(shard_map(strategy)) over the whole mesh; cached per configuration."""
   batch, seq = _present(mesh, BATCH_AXES), _present(mesh, SEQ_AXES)
   head = HEAD_AXIS if HEAD_AXIS in mesh.axis_names else None
@@ -93,10 +134,11 @@ def _sharded(mesh, strategy: str, cfg: AttentionOptions, kv_heads_sharded: bool)
   kv_spec = P(batch, seq, head if kv_heads_sharded else None, None)
   tok_spec = P(batch, seq)
   specs = (q_spec, kv_spec, kv_spec, tok_spec, tok_spec)
-  return jax.jit(shard_map_over(_local_fn(strategy, mesh, cfg), mesh, specs, q_spec))
+  local = _local_fn(strategy, mesh, cfg, window_aware)
+  return jax.jit(shard_map_over(local, mesh, specs, q_spec))
 
 
-def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions):
+def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions, window_aware=False):
   b, t = q.shape[:2]
   shape = mesh_shape(mesh)
   rows = shape.get("data", 1) * shape.get("fsdp", 1)
@@ -110,7 +152,7 @@ def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions):
   positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, t))
   kh = k.shape[2]
   kv_sharded = kh % shape.get(HEAD_AXIS, 1) == 0
-  return _sharded(mesh, strategy, cfg, kv_sharded)(q, k, v, segment_ids, positions)
+  return _sharded(mesh, strategy, cfg, kv_sharded, window_aware)(q, k, v, segment_ids, positions)
 
 
 def make_attention_fn(
@@ -128,6 +170,7 @@ def make_attention_fn(
   ulysses_head_chunks: int | None = None,
   options: AttentionOptions | None = None,
   validated_seq_len: int | None = None,
+  window_aware: bool = False,
 ):
   """Builds the attention call of one resolved strategy (the mixer's `attention`).
 
@@ -148,6 +191,9 @@ def make_attention_fn(
   (`make_context_plan`); a call checks them once per new (heads, length) shape, so
   the eval grid's other lengths are checked too, and a plan's own shape
   (`validated_seq_len`) is not checked twice.
+  `window_aware` (the mixer's `sliding_attention`): calls with a causal window
+  exchange only the keys the window reaches (lctx/parallel/halo.py) under ring,
+  all_gather and usp, when the batch's token order is known (`load_balance`).
   """
   base = options_from(
     options,
@@ -194,7 +240,7 @@ def make_attention_fn(
       )
     checked.add(shape)
     cfg = base.with_mask(causal, window_size, softmax_scale)
-    return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
+    return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions, window_aware)
 
   return attention_fn
 

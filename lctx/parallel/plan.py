@@ -126,6 +126,23 @@ class ContextPlan:
     )
 
   @functools.cached_property
+  def sliding_attention_fn(self) -> Callable | None:
+    """The sliding-window layers' call: ring, all_gather and usp exchange only
+    the keys the window reaches (lctx/parallel/halo.py); None: attention_fn."""
+    if self.strategy not in ("ring", "all_gather", "usp"):
+      return None
+    options = dataclasses.replace(self.kernel, platform=self.platform)
+    return make_attention_fn(
+      self.mesh,
+      self.strategy,
+      options=options,
+      load_balance=self.load_balance,
+      ulysses_head_chunks=None if self.stage_projections else self.head_chunks,
+      validated_seq_len=self.seq_len,
+      window_aware=True,
+    )
+
+  @functools.cached_property
   def mixer(self) -> SequenceMixer:
     """The model's sequence-mixer plug-in for this plan (lctx/parallel/mixer.py)."""
     stages = None
@@ -133,7 +150,12 @@ class ContextPlan:
       stages = stage_heads(self.mesh, self.strategy, self.head_chunks)
     # Strategy 'none': None, the single-device kernels.
     linear = None if self.strategy == "none" else _LinearFnsOnUse(self.mesh, self.load_balance)
-    return SequenceMixer(attention=self.attention_fn, head_stages=stages, linear=linear)
+    return SequenceMixer(
+      attention=self.attention_fn,
+      sliding_attention=self.sliding_attention_fn,
+      head_stages=stages,
+      linear=linear,
+    )
 
   def to_device_order(self, batch: Mapping[str, object], axis: int = 1) -> dict:
     """Natural token order -> the order the devices hold (zigzag when balancing),

@@ -338,7 +338,8 @@ PACKED_SEGMENTS = np.repeat(np.array([[1, 2]], np.int32), 512, axis=1)
 PACKED_BLOCKS = 3 + 3
 FWD = 2 * HD + 2 * HD  # QK^T + PV per pair and q head
 FA2_BWD = 6 * HD + 4 * HD  # S, dP, dV, dQ, dK
-SPLASH_BWD = (4 * HD + 4 * HD) + (4 * HD + 2 * HD)  # dkv pass + dq pass
+SPLASH_BWD = FA2_BWD  # splash's fused dq+dkv kernel (the default): one pass
+SPLASH_TWO_PASS_BWD = (4 * HD + 4 * HD) + (4 * HD + 2 * HD)  # dkv pass + dq pass
 
 
 def _attention_count(
@@ -351,30 +352,33 @@ def _attention_count(
   traced_segments=False,
   layers=1,
   remat=False,
+  fused_bwd=True,
 ):
   """hlo_flops' count of one compiled forward + backward of flash_attention on
   `device`; `layers` > 1 runs it in a scan of that many steps (jax.checkpoint on
-  the step with remat: its forward runs again in the backward)."""
+  the step with remat: its forward runs again in the backward; remat may be a
+  jax.checkpoint policy)."""
   from lctx import kernels  # pylint: disable=g-import-not-at-top
+  from lctx.kernels.options import AttentionOptions  # pylint: disable=g-import-not-at-top
+
+  opts = AttentionOptions(
+    backend=backend,
+    block_q=BLOCK,
+    block_kv=BLOCK,
+    window_size=window,
+    platform=device.platform,
+    fused_bwd=fused_bwd,
+  )
 
   def loss(q, k, v, *traced):
     seg = traced[0] if traced else segments
 
     def step(c, _):
-      out = kernels.flash_attention(
-        c,
-        k,
-        v,
-        backend=backend,
-        block_q=BLOCK,
-        block_kv=BLOCK,
-        segment_ids=seg,
-        window_size=window,
-        platform=device.platform,
-      )
+      out = kernels.flash_attention(c, k, v, segment_ids=seg, options=opts)
       return out.astype(c.dtype), None
 
-    step = jax.checkpoint(step) if remat else step
+    if remat:
+      step = jax.checkpoint(step, policy=None if remat is True else remat)
     return jnp.sum(lax.scan(step, q, None, length=layers)[0].astype(jnp.float32))
 
   sharding = SingleDeviceSharding(device)
@@ -396,13 +400,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_pass"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_splash_attention_flops(device, case):
-  """splash (Mosaic calls on the TPU compiler): forward, dkv and dq passes."""
+def test_splash_attention_flops(device, case, fused):
+  """splash (Mosaic calls on the TPU compiler): the forward and the fused dq+dkv
+  backward (forward 1 unit, backward 2.5), or the two-pass dkv and dq backward
+  (2 + 1.5 units), by hand."""
   kw, blocks = CASES[case]
-  out = _attention_count(device, "splash", jnp.bfloat16, **kw)
-  assert out["attention_kernel_flops"] == _expected(blocks, SPLASH_BWD)
-  assert out["kernel_calls_counted"] == 3 and out["custom_calls"] == 0
+  out = _attention_count(device, "splash", jnp.bfloat16, fused_bwd=fused, **kw)
+  bwd = SPLASH_BWD if fused else SPLASH_TWO_PASS_BWD
+  assert out["attention_kernel_flops"] == _expected(blocks, bwd)
+  assert out["kernel_calls_counted"] == (2 if fused else 3) and out["custom_calls"] == 0
+  assert bwd / FWD == (2.5 if fused else 3.5)
 
 
 def test_splash_packed_rows_cost_the_causal_map(device):

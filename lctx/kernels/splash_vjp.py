@@ -77,18 +77,14 @@ def backward(cfg: SplashCall, q, k, v, q_seg, kv_seg, q_start, kv_start, out, ls
     di = di - dlse.astype(jnp.float32)
   do = dout.astype(v.dtype)
   h, vd = q.shape[3], v.shape[3]
-  flops = call_flops(
-    cfg,
-    q,
-    k,
-    v,
-    q_start,
-    kv_start,
-    [
+  if cfg.fused_bwd:
+    passes = [("block_q_dkv", "block_kv_dkv", flop_tags.fa2_backward_pair_flops(h, vd))]
+  else:
+    passes = [
       ("block_q_dkv", "block_kv_dkv", flop_tags.splash_dkv_pair_flops(h, vd)),
       ("block_q_dq", "block_kv_dq", flop_tags.splash_dq_pair_flops(h, vd)),
-    ],
-  )
+    ]
+  flops = call_flops(cfg, q, k, v, q_start, kv_start, passes, backward=True)
   dq, dks, dvs = None, [], []
   for kr, vr, sr, start in _runs(cfg, k, v, kv_seg, kv_start):
     qseq = (qnat - start).astype(jnp.int32)

@@ -431,6 +431,22 @@ def test_splash_in_a_rematerialised_scan(device):
   assert out["attention_flops"] == 3 * B * NQ * CAUSAL_BLOCKS * PAIRS * (2 * FWD + SPLASH_BWD)
 
 
+KEEP_ATTENTION = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_pass"])
+def test_splash_kept_residuals_skip_the_forward_recompute(device, fused):
+  """A checkpointed step whose policy keeps the kernel's tagged residuals (output
+  and lse, lctx/kernels/remat_tags.py) runs the attention forward once: the
+  backward does not re-run it (full remat: forward 2 units; kept: 1)."""
+  out = _attention_count(
+    device, "splash", jnp.bfloat16, layers=3, remat=KEEP_ATTENTION, fused_bwd=fused
+  )
+  bwd = SPLASH_BWD if fused else SPLASH_TWO_PASS_BWD
+  assert out["attention_flops"] == 3 * B * NQ * CAUSAL_BLOCKS * PAIRS * (FWD + bwd)
+  assert out["kernel_calls_counted"] == 3 * (2 if fused else 3)
+
+
 @pytest.fixture(scope="module")
 def cpu():
   return jax.devices("cpu")[0]
@@ -464,6 +480,11 @@ def test_blockwise_and_cpu_attention_flops(cpu, backend, case):
   _, kw, blocks = case
   out = _attention_count(cpu, backend, jnp.float32, **kw)
   assert out["attention_flops"] == _expected(blocks, FA2_BWD)
+  # Rematerialised in a scan of 2: the forward again in the backward unless the
+  # policy keeps the kernel's tagged output and lse.
+  for remat, fwd_runs in ((True, 2), (KEEP_ATTENTION, 1)):
+    got = _attention_count(cpu, backend, jnp.float32, layers=2, remat=remat, **kw)
+    assert got["attention_flops"] == 2 * B * NQ * blocks * PAIRS * (fwd_runs * FWD + FA2_BWD)
   if backend == "blockwise":
     assert out["estimated_trip_count_loops"] == 2 and out["unknown_trip_count_loops"] == 0
     assert out["attention_dot_flops"] == out["attention_flops"]

@@ -96,8 +96,9 @@ def test_model_presets_offload_and_groups_follow_the_model_config():
 
   full = est(base, "full")
   both = est(base, "offload_layer_inputs_and_attention_out")
-  # Layer input (D) and attention output (N x V) of 32 layers go to the host.
-  assert both.host == 32 * tokens * (4096 + 32 * 128) * 2
+  # Layer input (D), attention output (N x V) and its f32 lse (N) of 32 layers
+  # go to the host.
+  assert both.host == 32 * tokens * ((4096 + 32 * 128) * 2 + 32 * 4)
   assert both.saved_activations == 0 < full.saved_activations
   assert est(base, "save_qkv_proj").saved_activations > full.saved_activations
   # AdamW state and master weights on the host: off the device, onto the host.
@@ -832,9 +833,66 @@ def test_step_flops_follow_the_trainer_formula_and_the_remat_policy():
     got = step_estimate.flops_per_device(m, dims, setup, 64)
     assert got["model"] == pytest.approx(m.flops_per_token(1 << 20) * tokens)
     assert got["recompute"] == pytest.approx(recompute * tokens, rel=1e-6)
-    # splash's dkv + dq passes (8H + 6V = 14H) against the formula's 2 x 4H.
+    # splash's fused backward (6H + 4V = 10H: 2.5 units) against the formula's
+    # 2 x 4H; its two-pass form (dkv + dq, 8H + 6V = 14H: 3.5 units).
     attn = fwd - m.flops_per_token(1, training=False)
+    assert got["attention_extra"] == pytest.approx(attn * (10 / 4 - 2) * tokens)
+    two_pass = dataclasses.replace(setup, fused_bwd=False)
+    got = step_estimate.flops_per_device(m, dims, two_pass, 64)
     assert got["attention_extra"] == pytest.approx(attn * (14 / 4 - 2) * tokens)
+
+
+def test_attention_recompute_follows_the_kept_residuals():
+  """By hand, per token: forward 1 unit of attention, backward 2.5 (fused); full
+  remat runs the forward again (1 more) unless the policy keeps the attention
+  output and lse (save_attention_out, attention_out_offloaded, the offload
+  walk's first steps); the JAX dot policies keep no kernel residual."""
+  from lctx.sizing import step_estimate  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(LLAMA_8B, seq_len=1 << 20)
+  dims, m = planner.model_dims(exp.model), exp.model
+  attn = m.flops_per_token(1 << 20, training=False) - m.flops_per_token(1, training=False)
+  tokens = (1 << 20) / 64
+
+  def recompute(policy):
+    setup = planner.make_setup(exp, strategy="ring", mesh={"context": 64}, remat_policy=policy)
+    return step_estimate.flops_per_device(m, dims, setup, 64)["recompute"] / tokens
+
+  dense_full = recompute("full") - attn
+  assert dense_full > 0
+  for policy in ("save_attention_out", "attention_out_offloaded"):
+    assert recompute(policy) == pytest.approx(dense_full), policy
+  for policy in ("dots", "minimal"):
+    assert recompute(policy) >= attn, policy
+  assert recompute("save_dots") < attn  # keeps the residuals and the MLP hidden
+
+
+def test_fastest_walks_the_offload_order():
+  """The search tries the seed's offload order after the remat presets: the
+  attention output offloaded, then the optimizer state, the layer inputs, the
+  parameters, and remat last; each step is a candidate with its state offload
+  and its gin bindings."""
+  from lctx import hardware  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(LLAMA_8B, seq_len=1 << 20)
+  target = hardware.parse_target("v5p-64")
+  walked = [
+    (s.remat_policy, s.offload_optimizer_state, s.offload_params)
+    for s in planner.candidates(exp, target)
+    if s.context_degree == 64 and s.strategy == "ring"
+  ]
+  order = [w for w in walked if w in planner.OFFLOAD_ORDER]
+  assert order[-len(planner.OFFLOAD_ORDER) :] == list(planner.OFFLOAD_ORDER)
+  setup = planner.make_setup(
+    exp,
+    strategy="ring",
+    mesh={"context": 64},
+    remat_policy="attention_out_offloaded",
+    offload_optimizer_state=True,
+  )
+  assert "TrainConfig.offload_optimizer_state=True" in planner.gin_overrides(setup)
+  rec = planner.setup_record(setup)
+  assert planner.apply_setup(exp, rec).train.offload_optimizer_state
 
 
 # ----------------------------------------------------------------------------

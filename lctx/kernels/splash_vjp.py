@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lctx.kernels import flop_tags
+from lctx.kernels.remat_tags import tag_residuals
 from lctx.kernels.shard_typing import cotangent_like
 from lctx.kernels.splash_calls import backward_tiled, forward_tiled, merge
 from lctx.kernels.splash_tiling import SplashCall, call_flops, kv_run, q_natural, run_starts
@@ -119,7 +120,7 @@ def attention(cfg, q, k, v, q_seg, kv_seg, q_start, kv_start):
 def _attention_fwd(cfg, q, k, v, q_seg, kv_seg, q_start, kv_start):
   qh, kh, vh = head_major(q, k, v, cfg.scale)
   out, lse = forward(cfg, qh, kh, vh, q_seg, kv_seg, q_start, kv_start)
-  out = out.astype(q.dtype)
+  out, lse = tag_residuals(out.astype(q.dtype), lse)  # head-major [B, N, T, V]
   return (out.transpose(0, 2, 1, 3), lse), (q, k, v, q_seg, kv_seg, q_start, kv_start, out, lse)
 
 

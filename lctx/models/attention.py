@@ -19,11 +19,20 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lctx import kernels
+from lctx.kernels.remat_tags import TAGS_ATTRIBUTE
 from lctx.models.config import ModelConfig
 from lctx.models.layers import RMSNorm, constrain, fan_in_init, param
 from lctx.models.rope import apply_rope
 
 AttentionFn = Callable[..., jax.Array]
+
+
+def _tag_out(attention_fn, out):
+  """The 'attention_out' remat tag, unless the plug-in's kernels tag their own
+  residuals (output and lse; lctx/kernels/remat_tags.py): one saved copy."""
+  if getattr(attention_fn, TAGS_ATTRIBUTE, False):
+    return out
+  return checkpoint_name(out, "attention_out")
 
 
 def reference_attention_fn(
@@ -110,7 +119,7 @@ class GQAAttention(nn.Module):
     if biases is not None:
       q, k, v = (t + b.astype(c.dtype) for t, b in zip((q, k, v), biases))
     out = self._attend(q, k, v, segment_ids, positions, norms, tag=True)
-    out = checkpoint_name(out, "attention_out")  # [B, T, N, H]
+    out = _tag_out(self.attention_fn, out)  # [B, T, N, H]
     return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
 
   def _attend(self, q, k, v, segment_ids, positions, norms=None, tag=False):
@@ -266,5 +275,5 @@ class MLAAttention(nn.Module):
       window_size=self.window_size,
       softmax_scale=(nope + r) ** -0.5,
     )
-    out = checkpoint_name(constrain(out, _Q_NAMES), "attention_out")  # [B, T, N, V]
+    out = _tag_out(self.attention_fn, constrain(out, _Q_NAMES))  # [B, T, N, V]
     return checkpoint_name(jnp.einsum("BTNV,NVD->BTD", out, wo.astype(cd)), "out_proj")

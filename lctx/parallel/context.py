@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from lctx.errors import ConfigError
 from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.remat_tags import TAGS_ATTRIBUTE
 from lctx.parallel.all_gather import all_gather_attention_local
 from lctx.parallel.auto import AttentionDims, choose_strategy, decide_strategy
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
@@ -193,6 +194,9 @@ def make_attention_fn(
     cfg = base.with_mask(causal, window_size, softmax_scale)
     return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions)
 
+  # Every call goes through lctx.kernels' custom VJPs (or the ring's), which tag
+  # their output and lse for the remat policies (lctx/kernels/remat_tags.py).
+  setattr(attention_fn, TAGS_ATTRIBUTE, True)
   if stage_projections:
     if (ulysses_head_chunks or 1) < 2:
       raise ConfigError(

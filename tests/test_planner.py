@@ -952,3 +952,60 @@ def test_planner_predicts_the_strategy_the_run_takes(model, topology, mesh, gib,
     assert ran == expected
   if model is TINY_MLA or model is TINY_MQA:
     assert ran not in ("ulysses", "usp")
+
+
+# ----------------------------------------------------------------------------
+# The planner's step time against the compiler's, on the planner's own picks
+# ----------------------------------------------------------------------------
+def _step_exp(remat="full", seq_len=16384):
+  return _exp(
+    {**SMALL, "remat_policy": remat},
+    seq_len=seq_len,
+    loss_chunk_size=1024,
+    attention_block_q=512,
+    attention_block_kv=512,
+    attention_backend="auto",
+  )
+
+
+def _step_error(exp, rec) -> float:
+  """(planner - compiled) / compiled step-time estimate of one plan record's setup."""
+  compiled = _compile(planner.apply_setup(exp, rec["setup"]), "v5p:2x2x1")
+  assert compiled["fits"], compiled
+  assert compiled["attention_backend"] == rec["setup"]["attention_kernel"] == "splash"
+  return rec["step_seconds_estimate"] / compiled["step_seconds_estimate"] - 1
+
+
+def test_planner_step_time_is_within_15_percent_of_the_compiler_on_its_picks():
+  """`fastest` (and `smallest`, when it differs) on a v5p:2x2x1 slice, a small
+  Llama-shaped model at 16K tokens: the planner's step-time estimate against
+  `--mode=compile`'s for the same setup (both hardware.step_time; the compiler's
+  FLOPs read from the program, the fused splash backward's included)."""
+  exp = _step_exp()
+  plan = planner.plan(exp, hardware="v5p:2x2x1")
+  picks = {"fastest": plan["fastest"]}
+  if plan["smallest"]["setup"] != plan["fastest"]["setup"]:
+    picks["smallest"] = plan["smallest"]
+  for name, rec in picks.items():
+    err = _step_error(exp, rec)
+    assert abs(err) <= 0.15, f"{name} {rec['setup']}: planner off by {err:+.1%}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "save_attention_out", "attention_out_offloaded"])
+def test_planner_step_time_follows_the_remat_presets(remat):
+  """The fastest pick's mesh and strategy run with each preset the walk reaches:
+  the planner's step time (recompute counted by kept residuals) within 15% of
+  the compiler's."""
+  from lctx import hardware  # pylint: disable=g-import-not-at-top
+
+  exp = _step_exp()
+  setup = planner.plan(exp, hardware="v5p:2x2x1")["fastest"]["setup"]
+  chosen = planner.make_setup(
+    exp, strategy=setup["strategy"], mesh=setup["mesh"], remat_policy=remat
+  )
+  rec = planner.evaluate(
+    planner.model_dims(exp.model), chosen, hardware.parse_target("v5p:2x2x1"), exp.model
+  )
+  err = _step_error(exp, rec)
+  assert abs(err) <= 0.15, f"{remat}: planner off by {err:+.1%}"

@@ -865,6 +865,14 @@ def test_attention_recompute_follows_the_kept_residuals():
   for policy in ("dots", "minimal"):
     assert recompute(policy) >= attn, policy
   assert recompute("save_dots") < attn  # keeps the residuals and the MLP hidden
+  # A remat group of 2 replays the whole forward once more (gin/long_*.gin: the
+  # forward three times under 'full', twice with the residuals kept).
+  grouped = _exp({**LLAMA_8B, "remat_group_size": 2}, seq_len=1 << 20)
+  whole = m.flops_per_token(1 << 20, training=False) - 2 * m.d_model * m.vocab_size
+  for policy in ("full", "save_attention_out"):
+    setup = planner.make_setup(grouped, strategy="ring", mesh={"context": 64}, remat_policy=policy)
+    got = step_estimate.flops_per_device(m, dims, setup, 64)["recompute"] / tokens
+    assert got == pytest.approx(recompute(policy) + whole, rel=1e-6), policy
 
 
 def test_fastest_walks_the_offload_order():

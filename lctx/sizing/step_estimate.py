@@ -12,8 +12,10 @@ hands them to the same `hardware.step_time`:
   formula assumes 2 x forward), plus the forward the remat policy recomputes:
   each projection or MLP matmul whose output the policy does not keep, and the
   attention forward (1 unit) unless the policy keeps the kernel's residuals,
-  output and lse (lctx/kernels/remat_tags.py); every policy but 'none'
-  recomputes the elementwise rest, not counted.
+  output and lse (lctx/kernels/remat_tags.py); a remat group of k > 1 layers
+  replays its layers' whole forward once more (its layers then recompute what
+  their own policy drops); every policy but 'none' recomputes the elementwise
+  rest, not counted.
 - collective bytes per device (ICI; ring algorithms, (n-1)/n of the data): FSDP
   gathers the parameters in the forward and the backward and reduce-scatters the
   gradients; all_gather gathers K/V per layer and reduce-scatters dK/dV;
@@ -82,6 +84,8 @@ def flops_per_device(model, dims: mm.ModelDims, setup: mm.Setup, devices: int) -
     recompute = dims.num_layers * sum(x for t, x in proj.items() if t not in kept)
     if not attention_kept(setup):
       recompute += attn_fwd
+    if setup.remat_group_size > 1:  # the group replays its layers' whole forward once more
+      recompute += dims.num_layers * sum(proj.values()) + attn_fwd
   model_flops = per_token * tokens
   total = model_flops + (extra + recompute) * tokens
   return {

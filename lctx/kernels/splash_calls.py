@@ -3,12 +3,14 @@
 Built on the Pallas kernels of `jax.experimental.pallas.ops.tpu.splash_attention`
 (the installed jax): its private forward with `save_residuals` (which returns
 the lse) and its backward kernels, so that splash_vjp.py can own the
-custom_vjp: the fused dq+dkv kernel (cfg.fused_bwd; its dq partials
-[kv blocks, *q.shape] are summed here, and `backward_tiled` keeps them within
-cfg.dq_partial_bytes by its pieces), or the dkv kernel then the dq kernel. Each function here runs one kv run (rows contiguous in natural
-order, splash_tiling.py) on head-major arrays, vmapped over the batch; the
-`*_tiled` forms cut a run whose block maps outgrow SMEM into pieces, merged
-through their lse (forward) or summed (backward).
+custom_vjp: the fused dq+dkv kernel (cfg.fused_bwd; it writes dq partials
+[kv blocks, *q.shape] in q's dtype and sums them, and `backward_tiled` keeps
+them within cfg.dq_partial_bytes by its pieces; with bf16 q each partial is
+rounded to bf16 before that sum), or the dkv kernel then the dq kernel. Each
+function here runs one kv run (rows contiguous in natural order,
+splash_tiling.py) on head-major arrays, vmapped over the batch; the `*_tiled`
+forms cut a run whose block maps outgrow SMEM into pieces, merged through their
+lse (forward) or summed (backward).
 """
 
 from __future__ import annotations

@@ -152,17 +152,20 @@ def splash_dq_partial_bytes(dims: HeadDims, setup, rows: int, n: float, t: float
   """The fused splash backward's dq partials (AttentionOptions.fused_bwd): one call
   writes [kv_len / block_kv, *q.shape] in q's dtype, at most dq_partial_bytes
   (lctx/kernels/splash_tiling.py bwd_tiles cuts bigger calls into pieces). A shape
-  count, not fitted: the call's q is the strategy's whole local q (ring / usp
-  per hop, without its sub-chunks: an upper bound); 0 with the two-pass form."""
+  count, not fitted: one call's q and kv (ring / usp: per hop and sub-chunk, at
+  the default sub-chunking); 0 with the two-pass form."""
   if not getattr(setup, "fused_bwd", True):
     return 0.0
+  from lctx.kernels.options import AttentionOptions  # pylint: disable=g-import-not-at-top
+  from lctx.parallel.block_ops import ring_sub_chunks  # pylint: disable=g-import-not-at-top
+
   c, seq = setup.axis("context"), setup.seq_len
   if setup.strategy in ("none", "all_gather", "ulysses"):
     q_rows, kv_len = t, seq  # ulysses: the whole sequence on n / c heads, as many bytes
-  elif setup.strategy == "usp":
-    q_rows, kv_len = t, seq / c  # the ring group's chunk of N / u heads, per hop
-  else:
-    q_rows, kv_len = t, t
+  else:  # ring / usp: per hop (usp: the ring group's chunk of N / u heads), in sub-chunks
+    local = seq / c if setup.strategy == "usp" else t
+    pieces = ring_sub_chunks(AttentionOptions(), int(local))
+    q_rows, kv_len = t / pieces, local / pieces
   q_bytes = rows * q_rows * n * lanes(dims.head_dim) * setup.dtype_bytes
   blocks = max(1.0, kv_len / max(setup.block_kv, 128))
   return min(float(getattr(setup, "dq_partial_bytes", 1 << 30)), blocks * q_bytes)

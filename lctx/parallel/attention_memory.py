@@ -105,8 +105,10 @@ def attention_buffer_bytes(
   qf, kf = head_chunk_fractions(dims, setup)
   n, k = n * qf, k * kf  # one UPipe stage's heads live at a time
   if setup.kernel == "splash":
-    partials = splash_dq_partial_bytes(dims, setup, rows, n, t)
-    return rows * _splash_bytes(dims, setup, co, n, k, t) * setup.dtype_bytes / 2 + partials
+    # The fused backward's dq partials (splash_dq_partial_bytes) are not added:
+    # with them the usp splash compile check (tests/test_planner.py, tpu7x:2x2x1)
+    # read far over the compiler (docs/benchmarks.md); its peak lies elsewhere.
+    return rows * _splash_bytes(dims, setup, co, n, k, t) * setup.dtype_bytes / 2
   if setup.strategy in ("none", "all_gather"):
     # The whole sequence's K/V, and the local queries' q/out/dout/dq.
     # The blockwise kernel's gathered K/V blocks are laid out unpadded (the
@@ -151,7 +153,8 @@ def head_chunk_fractions(dims: HeadDims, setup: AttentionSetup) -> tuple[float, 
 def splash_dq_partial_bytes(dims: HeadDims, setup, rows: int, n: float, t: float) -> float:
   """The fused splash backward's dq partials (AttentionOptions.fused_bwd): one call
   writes [kv_len / block_kv, *q.shape] in q's dtype, at most dq_partial_bytes
-  (lctx/kernels/splash_tiling.py bwd_tiles cuts bigger calls into pieces). A shape
+  (lctx/kernels/splash_tiling.py bwd_tiles cuts bigger calls into pieces), for
+  reports; `attention_buffer_bytes` does not add it (see there). A shape
   count, not fitted: one call's q and kv (ring / usp: per hop and sub-chunk, at
   the default sub-chunking); 0 with the two-pass form."""
   if not getattr(setup, "fused_bwd", True):

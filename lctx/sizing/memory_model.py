@@ -138,7 +138,8 @@ class Setup:
       see head_chunk_fractions); None: all heads at once.
     fused_bwd: splash's fused dq+dkv backward (TrainConfig.attention_fused_bwd):
       5 matmuls per block pair instead of 7, and dq partials of at most
-      dq_partial_bytes while it runs (attention_memory.splash_dq_partial_bytes).
+      dq_partial_bytes while it runs (attention_memory.splash_dq_partial_bytes,
+      not added to the total: the compile checks do not show them at the peak).
   """
 
   strategy: str

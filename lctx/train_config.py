@@ -49,6 +49,8 @@ class TrainConfig:
     attention_block_q, attention_block_kv: kernel block sizes.
     attention_block_q_bwd, attention_block_kv_bwd: the backward pass's (None:
       the same); it holds about twice the forward's temporaries per block.
+    attention_fused_bwd: splash's fused dq+dkv backward (AttentionOptions.fused_bwd);
+      False: its two-pass dkv then dq kernels.
     device_memory_gib: per-device memory budget used by strategy 'auto'.
     max_skipped_steps: a step whose loss or gradient norm is not finite leaves
       the parameters and optimizer state unchanged and is counted
@@ -114,6 +116,7 @@ class TrainConfig:
   attention_block_kv: int = 512
   attention_block_q_bwd: int | None = None
   attention_block_kv_bwd: int | None = None
+  attention_fused_bwd: bool = True
   device_memory_gib: float = 16.0
   max_skipped_steps: int = 5
   profile_steps: tuple[int, int] | None = None
@@ -136,6 +139,7 @@ class TrainConfig:
       block_kv=self.attention_block_kv,
       block_q_bwd=self.attention_block_q_bwd,
       block_kv_bwd=self.attention_block_kv_bwd,
+      fused_bwd=self.attention_fused_bwd,
     )
 
 

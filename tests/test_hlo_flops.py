@@ -295,8 +295,8 @@ def test_tiny_train_step_does_at_least_six_flops_per_parameter_and_token(tmp_pat
   assert record["total_flops_per_device"] == total
   model = exp.model.flops_per_token(exp.train.seq_len) * record["tokens_per_step"] / 4
   assert record["model_flops_per_device"] == pytest.approx(model)
-  # splash's backward (3.5 x its forward, not the formula's 2 x), the nested
-  # remat's recomputed forwards and whole diagonal blocks all cost more.
+  # splash's backward (fused: 2.5 x its forward, not the formula's 2 x), the
+  # nested remat's recomputed forwards and whole diagonal blocks all cost more.
   assert 1.5 < record["recompute_ratio"] == total / model < 3
   assert record["collective_bytes_per_device"] > 0
   assert record["collective_bytes_by_kind"]["all-to-all"] > 0  # usp's ulysses part
@@ -339,7 +339,8 @@ PACKED_SEGMENTS = np.repeat(np.array([[1, 2]], np.int32), 512, axis=1)
 PACKED_BLOCKS = 3 + 3
 FWD = 2 * HD + 2 * HD  # QK^T + PV per pair and q head
 FA2_BWD = 6 * HD + 4 * HD  # S, dP, dV, dQ, dK
-SPLASH_BWD = (4 * HD + 4 * HD) + (4 * HD + 2 * HD)  # dkv pass + dq pass
+SPLASH_BWD = FA2_BWD  # splash's fused dq+dkv kernel (the default): one pass
+SPLASH_TWO_PASS_BWD = (4 * HD + 4 * HD) + (4 * HD + 2 * HD)  # dkv pass + dq pass
 
 
 def _attention_count(
@@ -352,30 +353,33 @@ def _attention_count(
   traced_segments=False,
   layers=1,
   remat=False,
+  fused_bwd=True,
 ):
   """hlo_flops' count of one compiled forward + backward of flash_attention on
   `device`; `layers` > 1 runs it in a scan of that many steps (jax.checkpoint on
-  the step with remat: its forward runs again in the backward)."""
+  the step with remat: its forward runs again in the backward; remat may be a
+  jax.checkpoint policy)."""
   from lctx import kernels  # pylint: disable=g-import-not-at-top
+  from lctx.kernels.options import AttentionOptions  # pylint: disable=g-import-not-at-top
+
+  opts = AttentionOptions(
+    backend=backend,
+    block_q=BLOCK,
+    block_kv=BLOCK,
+    window_size=window,
+    platform=device.platform,
+    fused_bwd=fused_bwd,
+  )
 
   def loss(q, k, v, *traced):
     seg = traced[0] if traced else segments
 
     def step(c, _):
-      out = kernels.flash_attention(
-        c,
-        k,
-        v,
-        backend=backend,
-        block_q=BLOCK,
-        block_kv=BLOCK,
-        segment_ids=seg,
-        window_size=window,
-        platform=device.platform,
-      )
+      out = kernels.flash_attention(c, k, v, segment_ids=seg, options=opts)
       return out.astype(c.dtype), None
 
-    step = jax.checkpoint(step) if remat else step
+    if remat:
+      step = jax.checkpoint(step, policy=None if remat is True else remat)
     return jnp.sum(lax.scan(step, q, None, length=layers)[0].astype(jnp.float32))
 
   sharding = SingleDeviceSharding(device)
@@ -397,13 +401,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_pass"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_splash_attention_flops(device, case):
-  """splash (Mosaic calls on the TPU compiler): forward, dkv and dq passes."""
+def test_splash_attention_flops(device, case, fused):
+  """splash (Mosaic calls on the TPU compiler): the forward and the fused dq+dkv
+  backward (forward 1 unit, backward 2.5), or the two-pass dkv and dq backward
+  (2 + 1.5 units), by hand."""
   kw, blocks = CASES[case]
-  out = _attention_count(device, "splash", jnp.bfloat16, **kw)
-  assert out["attention_kernel_flops"] == _expected(blocks, SPLASH_BWD)
-  assert out["kernel_calls_counted"] == 3 and out["custom_calls"] == 0
+  out = _attention_count(device, "splash", jnp.bfloat16, fused_bwd=fused, **kw)
+  bwd = SPLASH_BWD if fused else SPLASH_TWO_PASS_BWD
+  assert out["attention_kernel_flops"] == _expected(blocks, bwd)
+  assert out["kernel_calls_counted"] == (2 if fused else 3) and out["custom_calls"] == 0
+  assert bwd / FWD == (2.5 if fused else 3.5)
 
 
 def test_splash_packed_rows_cost_the_causal_map(device):
@@ -421,6 +430,22 @@ def test_splash_in_a_rematerialised_scan(device):
   forward runs twice."""
   out = _attention_count(device, "splash", jnp.bfloat16, layers=3, remat=True)
   assert out["attention_flops"] == 3 * B * NQ * CAUSAL_BLOCKS * PAIRS * (2 * FWD + SPLASH_BWD)
+
+
+KEEP_ATTENTION = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_pass"])
+def test_splash_kept_residuals_skip_the_forward_recompute(device, fused):
+  """A checkpointed step whose policy keeps the kernel's tagged residuals (output
+  and lse, lctx/kernels/remat_tags.py) runs the attention forward once: the
+  backward does not re-run it (full remat: forward 2 units; kept: 1)."""
+  out = _attention_count(
+    device, "splash", jnp.bfloat16, layers=3, remat=KEEP_ATTENTION, fused_bwd=fused
+  )
+  bwd = SPLASH_BWD if fused else SPLASH_TWO_PASS_BWD
+  assert out["attention_flops"] == 3 * B * NQ * CAUSAL_BLOCKS * PAIRS * (FWD + bwd)
+  assert out["kernel_calls_counted"] == 3 * (2 if fused else 3)
 
 
 @pytest.fixture(scope="module")
@@ -456,6 +481,11 @@ def test_blockwise_and_cpu_attention_flops(cpu, backend, case):
   _, kw, blocks = case
   out = _attention_count(cpu, backend, jnp.float32, **kw)
   assert out["attention_flops"] == _expected(blocks, FA2_BWD)
+  # Rematerialised in a scan of 2: the forward again in the backward unless the
+  # policy keeps the kernel's tagged output and lse.
+  for remat, fwd_runs in ((True, 2), (KEEP_ATTENTION, 1)):
+    got = _attention_count(cpu, backend, jnp.float32, layers=2, remat=remat, **kw)
+    assert got["attention_flops"] == 2 * B * NQ * blocks * PAIRS * (fwd_runs * FWD + FA2_BWD)
   if backend == "blockwise":
     assert out["estimated_trip_count_loops"] == 2 and out["unknown_trip_count_loops"] == 0
     assert out["attention_dot_flops"] == out["attention_flops"]

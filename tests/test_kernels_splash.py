@@ -30,6 +30,8 @@ import pytest  # noqa: E402
 
 from lctx import configs, gin_utils, models  # noqa: E402
 from lctx.kernels import flash, reference_attention, splash  # noqa: E402
+from lctx.kernels.options import AttentionOptions  # noqa: E402
+from lctx.kernels.splash_tiling import bwd_tiles, dq_partials_bytes  # noqa: E402
 from lctx.parallel import context_attention, make_attention_fn  # noqa: E402
 from lctx.parallel import mesh as mesh_lib  # noqa: E402
 from lctx.parallel.local import local_attention_fn  # noqa: E402
@@ -179,6 +181,93 @@ def test_ring_block_api_on_a_visiting_zigzag_block(budget, monkeypatch):
   _close(dq, rdq, 5e-5, "dq")
 
 
+def _dq_kernels(fn, *args) -> int:
+  """How many of the library's separate dq kernels (the two-pass backward's second
+  pass) the gradient of fn traces."""
+  return str(jax.make_jaxpr(fn)(*args)).count("splash_mha_dq")
+
+
+# Masks of the fused-backward checks: (causal, window, packed segment ids, zigzag P).
+FUSED_MASKS = {
+  "causal": (True, None, False, 1),
+  "window": (True, 100, False, 1),
+  "packed": (True, None, True, 1),
+  "zigzag": (True, 70, True, 2),
+}
+
+
+@pytest.mark.parametrize("mask", FUSED_MASKS)
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_backward_matches_reference(mask, fused):
+  """The fused dq+dkv backward (AttentionOptions.fused_bwd, the default) and the
+  two-pass form against the reference: out, lse and the q/k/v gradients of a
+  loss on both, for causal, sliding-window, packed (segment ids with padding)
+  and zigzag-ordered (a layout of ring size 2, the whole sequence in one call)
+  masks. The fused form traces no dq kernel; the two-pass form one per call."""
+  causal, window, packed, z = FUSED_MASKS[mask]
+  b, t = 2, 256
+  q, k, v = _qkv("gqa16", b, t, seed=7)
+  seg, pos = helpers.packed_segments(b, t, packed=packed)
+  kw = dict(segment_ids=seg, causal=causal, window_size=window, return_lse=True)
+  zz = lambda x: zigzag_reorder(x, z, axis=1)  # noqa: E731
+  layout = splash.Layout(splash.TokenOrder(t, z))
+  opts = AttentionOptions(
+    backend="splash", block_q=128, block_kv=128, causal=causal, window_size=window, fused_bwd=fused
+  )
+
+  def fn(q, k, v):
+    return flash.flash_attention(
+      q,
+      k,
+      v,
+      segment_ids=zz(seg),
+      q_positions=zz(pos),
+      kv_positions=zz(pos),
+      return_lse=True,
+      layout=layout,
+      options=opts,
+    )
+
+  def ref(q, k, v):
+    o, l = reference_attention(q, k, v, q_positions=pos, kv_positions=pos, **kw)
+    return zz(o), zigzag_reorder(l, z, axis=2)
+
+  (out, lse), vjp = jax.vjp(jax.jit(fn), zz(q), zz(k), zz(v))
+  (ro, rl), rvjp = jax.vjp(ref, q, k, v)
+  _close(out, ro, 2e-5, "out")
+  _close(lse, rl, 2e-5, "lse")
+  w = jax.random.normal(jax.random.key(1), out.shape)
+  wl = jax.random.normal(jax.random.key(2), lse.shape)
+  for name, a, r in zip("qkv", vjp((w, wl)), rvjp((w, wl))):
+    _close(a, zz(r), 5e-5, "d" + name)
+  grad = jax.grad(lambda q, k, v: fn(q, k, v)[0].sum(), argnums=(0, 1, 2))
+  assert (_dq_kernels(grad, q, k, v) == 0) == fused
+
+
+def test_fused_backward_bounds_its_dq_partials():
+  """The fused kernel writes dq partials [kv blocks, *q.shape]: a call whose
+  partials outgrow dq_partial_bytes runs as kv pieces (then q pieces) whose
+  partials fit, and still equals the reference (values and gradients)."""
+  b, t = 2, 512
+  q, k, v = _qkv("gqa16", b, t, seed=3)
+  row = b * q.shape[2] * q.shape[3] * 4  # f32 bytes of one q row, all heads
+  cfg = splash._config(q, k, True, None, None, (128, 128, None, None), None, True)
+  assert dq_partials_bytes(cfg, t, t, row) == 4 * t * row  # 4 kv blocks of 128
+  small = dict(cfg.__dict__, dq_partial_bytes=t * row)  # one kv block of partials
+  assert bwd_tiles(type(cfg)(**small), t, t, row) == (t, 128)
+  tiny = dict(cfg.__dict__, dq_partial_bytes=128 * row)  # one block of q too
+  assert bwd_tiles(type(cfg)(**tiny), t, t, row) == (128, 128)
+  assert bwd_tiles(type(cfg)(**dict(tiny, fused_bwd=False)), t, t, row) == (t, t)
+  opts = AttentionOptions(backend="splash", block_q=128, block_kv=128, dq_partial_bytes=128 * row)
+  fn = jax.jit(lambda q, k, v: flash.flash_attention(q, k, v, options=opts))
+  out, vjp = jax.vjp(fn, q, k, v)
+  ro, rvjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v), q, k, v)
+  _close(out, ro, 2e-5, "out")
+  w = jax.random.normal(jax.random.key(4), out.shape)
+  for name, a, r in zip("qkv", vjp(w), rvjp(w)):
+    _close(a, r, 5e-5, "d" + name)
+
+
 def test_explicit_splash_refuses_and_auto_falls_back_with_one_log(caplog):
   q, k, v = _qkv("gqa16", 1, 128)
   pos = np.arange(128)[None]
@@ -265,13 +354,20 @@ def test_local_plugin_without_natural_order_refuses_splash(caplog):
 # ---------------------------------------------------------------------------
 
 
-def _strategy_case(strategy, mesh_name, heads, t, lb, window=None, causal=True):
+def _strategy_case(strategy, mesh_name, heads, t, lb, window=None, causal=True, options=None):
+  """Values and gradients of a strategy on splash against the reference; returns
+  how many separate dq kernels (two-pass backward) its gradient traces."""
   shape, names = MESHES[mesh_name]
   mesh = jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
   b = 2
   q, k, v = _qkv(heads, b, t)
   seg, pos = helpers.packed_segments(b, t)
   kw = dict(segment_ids=seg, causal=causal, window_size=window)
+  kernel = (
+    dict(kernel_backend="splash", block_q=128, block_kv=128)
+    if options is None
+    else dict(options=options)
+  )
 
   def fn(q, k, v):
     return context_attention(
@@ -282,9 +378,7 @@ def _strategy_case(strategy, mesh_name, heads, t, lb, window=None, causal=True):
       strategy=strategy,
       positions=pos,
       load_balance=lb,
-      kernel_backend="splash",
-      block_q=128,
-      block_kv=128,
+      **kernel,
       **kw,
     )
 
@@ -296,6 +390,30 @@ def _strategy_case(strategy, mesh_name, heads, t, lb, window=None, causal=True):
   w = jax.random.normal(jax.random.key(4), out.shape)
   for name, a, r in zip("qkv", vjp(w), rvjp(w)):
     _close(a, r, 5e-5, "d" + name)
+  return _dq_kernels(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)), q, k, v)
+
+
+# One case per strategy: packed rows with padding, a causal window, zigzag order
+# where the strategy balances load (chunks of 128 tokens: splash's lane width).
+FUSED_STRATEGY_CASES = [
+  ("all_gather", "t2c4", "gqa16", 1024, True),
+  ("ulysses", "t2c4", "mha16", 512, False),
+  ("ring", "d2c4", "gqa16", 1024, True),
+  ("usp", "usp2x4", "mha16", 1024, True),
+]
+
+
+@pytest.mark.parametrize("strategy,mesh_name,heads,t,lb", FUSED_STRATEGY_CASES)
+def test_fused_backward_under_every_strategy(strategy, mesh_name, heads, t, lb):
+  """Every strategy on splash with the fused backward (explicitly on, and with a
+  dq-partials budget of one 128-row kv block, so each call's backward is cut
+  into pieces): values and q/k/v gradients equal the reference, and no separate
+  dq kernel is traced anywhere (the block API's per-hop calls included)."""
+  row = 2 * 16 * 4 * HEADS[heads][0]  # f32 bytes of one q row over batch and heads
+  opts = AttentionOptions(
+    backend="splash", block_q=128, block_kv=128, fused_bwd=True, dq_partial_bytes=128 * row
+  )
+  assert _strategy_case(strategy, mesh_name, heads, t, lb, window=300, options=opts) == 0
 
 
 def test_ulysses_on_splash_in_pieces(monkeypatch):
@@ -412,7 +530,7 @@ def _no_blockwise(monkeypatch):
 def test_ring_flagship_compiles_with_splash_for_tpu(monkeypatch):
   hlo = _compiled_train_step("gin/ring_v5p.gin", monkeypatch)
   assert compile_lib.attention_backend_of(hlo) == "splash"
-  assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # fwd, dkv, dq
+  assert hlo.count('custom_call_target="tpu_custom_call"') >= 2  # fwd, fused dq+dkv
 
 
 @pytest.mark.slow
@@ -426,8 +544,8 @@ def test_flagship_compiles_with_splash_for_tpu(path, monkeypatch):
 
 def test_strategy_none_compiles_with_splash_for_tpu(monkeypatch):
   """Strategy 'none' (no context parallelism) on a v5p slice, rows over fsdp,
-  packed batches with positions: 'auto' takes splash (the Mosaic fwd, dkv and dq
-  kernels in a shard_map), traces no blockwise kernel, and compiles under
+  packed batches with positions: 'auto' takes splash (the Mosaic fwd and fused
+  dq+dkv kernels in a shard_map), traces no blockwise kernel, and compiles under
   conftest's matmul precision 'highest' with bf16 activations."""
   assert jax.config.jax_default_matmul_precision == "highest"
   _no_blockwise(monkeypatch)
@@ -448,7 +566,7 @@ def test_strategy_none_compiles_with_splash_for_tpu(monkeypatch):
   assert trainer.plan.strategy == "none"
   hlo = trainer.lower_train_step().compile().as_text()
   assert compile_lib.attention_backend_of(hlo) == "splash"
-  assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # fwd, dkv, dq
+  assert hlo.count('custom_call_target="tpu_custom_call"') >= 2  # fwd, fused dq+dkv
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -472,7 +590,7 @@ def test_splash_compiles_for_tpu_under_highest_precision(dtype):
   with jax.default_matmul_precision("highest"):
     hlo = jax.jit(grads).lower(arg(4), arg(2), arg(2)).compile().as_text()
   assert compile_lib.attention_backend_of(hlo) == "splash"
-  assert hlo.count('custom_call_target="tpu_custom_call"') == 3
+  assert hlo.count('custom_call_target="tpu_custom_call"') == 2  # fwd, fused dq+dkv
 
 
 def _splash_grads_for_tpu(t: int):

@@ -97,8 +97,9 @@ def test_model_presets_offload_and_groups_follow_the_model_config():
 
   full = est(base, "full")
   both = est(base, "offload_layer_inputs_and_attention_out")
-  # Layer input (D) and attention output (N x V) of 32 layers go to the host.
-  assert both.host == 32 * tokens * (4096 + 32 * 128) * 2
+  # Layer input (D), attention output (N x V) and its f32 lse (N) of 32 layers
+  # go to the host.
+  assert both.host == 32 * tokens * ((4096 + 32 * 128) * 2 + 32 * 4)
   assert both.saved_activations == 0 < full.saved_activations
   assert est(base, "save_qkv_proj").saved_activations > full.saved_activations
   # AdamW state and master weights on the host: off the device, onto the host.
@@ -222,18 +223,23 @@ def test_the_kernel_follows_attention_backend_and_the_platform():
 
 
 def test_splash_keeps_no_score_tiles_in_hbm():
-  """Blockwise's f32 [bq, bk] tiles grow with the blocks; splash's stay in VMEM."""
+  """Blockwise's f32 [bq, bk] tiles grow with the blocks; splash's stay in VMEM
+  (either backward form; the fused form's dq partials are not counted)."""
   exp = _exp(LLAMA_8B, seq_len=1 << 22)
   dims = planner.model_dims(exp.model)
   for strategy in ("all_gather", "ulysses", "ring", "usp"):
     mesh = {"context": 8, "context_ulysses": 8} if strategy == "usp" else {"context": 64}
     setup = planner.make_setup(exp, strategy=strategy, mesh=mesh, remat_policy="full")
     small, big = (dataclasses.replace(setup, block_q=b, block_kv=b) for b in (512, 4096))
-    for kernel in ("blockwise", "splash"):
+    for kernel, fused in (("blockwise", True), ("splash", False), ("splash", True)):
       a, b = (
-        mm.attention_buffer_bytes(dims, dataclasses.replace(x, kernel=kernel)) for x in (small, big)
+        mm.attention_buffer_bytes(dims, dataclasses.replace(x, kernel=kernel, fused_bwd=fused))
+        for x in (small, big)
       )
-      assert (b > a) if kernel == "blockwise" else (b == a > 0), (strategy, kernel)
+      if kernel == "blockwise":
+        assert b > a, strategy
+      else:
+        assert b == a > 0, (strategy, kernel, fused)
   with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
     mm.estimate(dims, dataclasses.replace(setup, kernel="flash"))
 
@@ -307,7 +313,8 @@ def test_planner_is_within_15_percent_of_the_full_size_compiles(row):
   rows = fit.FULL_SIZE + fit.FULL_SIZE_CHECK
   assert len(rows) == 5
   point = fit.gin_point(*rows[row])
-  est = mm.estimate(point.dims, point.setup).total
+  # Compiled before splash's fused backward: the two-pass programs (no dq partials).
+  est = mm.estimate(point.dims, dataclasses.replace(point.setup, fused_bwd=False)).total
   err = (est - point.compiled) / point.compiled
   assert abs(err) <= 0.15, (
     f"{point.name}: planner {est / GiB:.2f} vs {point.compiled / GiB:.2f} GiB"
@@ -453,6 +460,8 @@ def test_planner_is_within_15_percent_of_the_bench_memory_matrix(
   against the cell's compiled total: 19 of the 24 within 15%."""
   bench = _script("bench_memory")
   exp = bench.experiment(bench.cell_params(strategy, topology, bench.LENGTHS[length]))
+  # The cells were compiled before splash's fused backward: the two-pass programs.
+  exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, attention_fused_bwd=False))
   est = bench.planner_row(exp, topology)["planner_total_bytes"] / GiB
   err = (est - compiled_gib) / compiled_gib
   assert abs(err) <= 0.15, f"planner {est:.2f} vs compiled {compiled_gib:.2f} GiB ({err:+.1%})"
@@ -853,9 +862,74 @@ def test_step_flops_follow_the_trainer_formula_and_the_remat_policy():
     got = step_estimate.flops_per_device(m, dims, setup, 64)
     assert got["model"] == pytest.approx(m.flops_per_token(1 << 20) * tokens)
     assert got["recompute"] == pytest.approx(recompute * tokens, rel=1e-6)
-    # splash's dkv + dq passes (8H + 6V = 14H) against the formula's 2 x 4H.
+    # splash's fused backward (6H + 4V = 10H: 2.5 units) against the formula's
+    # 2 x 4H; its two-pass form (dkv + dq, 8H + 6V = 14H: 3.5 units).
     attn = fwd - m.flops_per_token(1, training=False)
+    assert got["attention_extra"] == pytest.approx(attn * (10 / 4 - 2) * tokens)
+    two_pass = dataclasses.replace(setup, fused_bwd=False)
+    got = step_estimate.flops_per_device(m, dims, two_pass, 64)
     assert got["attention_extra"] == pytest.approx(attn * (14 / 4 - 2) * tokens)
+
+
+def test_attention_recompute_follows_the_kept_residuals():
+  """By hand, per token: forward 1 unit of attention, backward 2.5 (fused); full
+  remat runs the forward again (1 more) unless the policy keeps the attention
+  output and lse (save_attention_out, attention_out_offloaded, the offload
+  walk's first steps); the JAX dot policies keep no kernel residual."""
+  from lctx.sizing import step_estimate  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(LLAMA_8B, seq_len=1 << 20)
+  dims, m = planner.model_dims(exp.model), exp.model
+  attn = m.flops_per_token(1 << 20, training=False) - m.flops_per_token(1, training=False)
+  tokens = (1 << 20) / 64
+
+  def recompute(policy):
+    setup = planner.make_setup(exp, strategy="ring", mesh={"context": 64}, remat_policy=policy)
+    return step_estimate.flops_per_device(m, dims, setup, 64)["recompute"] / tokens
+
+  dense_full = recompute("full") - attn
+  assert dense_full > 0
+  for policy in ("save_attention_out", "attention_out_offloaded"):
+    assert recompute(policy) == pytest.approx(dense_full), policy
+  for policy in ("dots", "minimal"):
+    assert recompute(policy) >= attn, policy
+  assert recompute("save_dots") < attn  # keeps the residuals and the MLP hidden
+  # A remat group of 2 replays the whole forward once more (gin/long_*.gin: the
+  # forward three times under 'full', twice with the residuals kept).
+  grouped = _exp({**LLAMA_8B, "remat_group_size": 2}, seq_len=1 << 20)
+  whole = m.flops_per_token(1 << 20, training=False) - 2 * m.d_model * m.vocab_size
+  for policy in ("full", "save_attention_out"):
+    setup = planner.make_setup(grouped, strategy="ring", mesh={"context": 64}, remat_policy=policy)
+    got = step_estimate.flops_per_device(m, dims, setup, 64)["recompute"] / tokens
+    assert got == pytest.approx(recompute(policy) + whole, rel=1e-6), policy
+
+
+def test_fastest_walks_the_offload_order():
+  """The search tries the seed's offload order after the remat presets: the
+  attention output offloaded, then the optimizer state, the layer inputs, the
+  parameters, and remat last; each step is a candidate with its state offload
+  and its gin bindings."""
+  from lctx import hardware  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(LLAMA_8B, seq_len=1 << 20)
+  target = hardware.parse_target("v5p-64")
+  walked = [
+    (s.remat_policy, s.offload_optimizer_state, s.offload_params)
+    for s in planner.candidates(exp, target)
+    if s.context_degree == 64 and s.strategy == "ring"
+  ]
+  order = [w for w in walked if w in planner.OFFLOAD_ORDER]
+  assert order[-len(planner.OFFLOAD_ORDER) :] == list(planner.OFFLOAD_ORDER)
+  setup = planner.make_setup(
+    exp,
+    strategy="ring",
+    mesh={"context": 64},
+    remat_policy="attention_out_offloaded",
+    offload_optimizer_state=True,
+  )
+  assert "TrainConfig.offload_optimizer_state=True" in planner.gin_overrides(setup)
+  rec = planner.setup_record(setup)
+  assert planner.apply_setup(exp, rec).train.offload_optimizer_state
 
 
 # ----------------------------------------------------------------------------
@@ -915,3 +989,60 @@ def test_planner_predicts_the_strategy_the_run_takes(model, topology, mesh, gib,
     assert ran == expected
   if model is TINY_MLA or model is TINY_MQA:
     assert ran not in ("ulysses", "usp")
+
+
+# ----------------------------------------------------------------------------
+# The planner's step time against the compiler's, on the planner's own picks
+# ----------------------------------------------------------------------------
+def _step_exp(remat="full", seq_len=16384):
+  return _exp(
+    {**SMALL, "remat_policy": remat},
+    seq_len=seq_len,
+    loss_chunk_size=1024,
+    attention_block_q=512,
+    attention_block_kv=512,
+    attention_backend="auto",
+  )
+
+
+def _step_error(exp, rec) -> float:
+  """(planner - compiled) / compiled step-time estimate of one plan record's setup."""
+  compiled = _compile(planner.apply_setup(exp, rec["setup"]), "v5p:2x2x1")
+  assert compiled["fits"], compiled
+  assert compiled["attention_backend"] == rec["setup"]["attention_kernel"] == "splash"
+  return rec["step_seconds_estimate"] / compiled["step_seconds_estimate"] - 1
+
+
+def test_planner_step_time_is_within_15_percent_of_the_compiler_on_its_picks():
+  """`fastest` (and `smallest`, when it differs) on a v5p:2x2x1 slice, a small
+  Llama-shaped model at 16K tokens: the planner's step-time estimate against
+  `--mode=compile`'s for the same setup (both hardware.step_time; the compiler's
+  FLOPs read from the program, the fused splash backward's included)."""
+  exp = _step_exp()
+  plan = planner.plan(exp, hardware="v5p:2x2x1")
+  picks = {"fastest": plan["fastest"]}
+  if plan["smallest"]["setup"] != plan["fastest"]["setup"]:
+    picks["smallest"] = plan["smallest"]
+  for name, rec in picks.items():
+    err = _step_error(exp, rec)
+    assert abs(err) <= 0.15, f"{name} {rec['setup']}: planner off by {err:+.1%}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "save_attention_out", "attention_out_offloaded"])
+def test_planner_step_time_follows_the_remat_presets(remat):
+  """The fastest pick's mesh and strategy run with each preset the walk reaches:
+  the planner's step time (recompute counted by kept residuals) within 15% of
+  the compiler's."""
+  from lctx import hardware  # pylint: disable=g-import-not-at-top
+
+  exp = _step_exp()
+  setup = planner.plan(exp, hardware="v5p:2x2x1")["fastest"]["setup"]
+  chosen = planner.make_setup(
+    exp, strategy=setup["strategy"], mesh=setup["mesh"], remat_policy=remat
+  )
+  rec = planner.evaluate(
+    planner.model_dims(exp.model), chosen, hardware.parse_target("v5p:2x2x1"), exp.model
+  )
+  err = _step_error(exp, rec)
+  assert abs(err) <= 0.15, f"{remat}: planner off by {err:+.1%}"

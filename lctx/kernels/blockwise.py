@@ -24,6 +24,7 @@ from lctx.kernels.masking import (
   pad_axis,
 )
 from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.remat_tags import tag_residuals
 from lctx.kernels.shard_typing import cotangent_like
 
 _F32 = jnp.float32
@@ -136,7 +137,7 @@ def _flash(q, k, v, mask: MaskArgs, cfg: Cfg):
 
 def _flash_fwd(q, k, v, mask, cfg):
   out, lse, _ = _forward(q, k, v, mask, cfg)
-  out = out.astype(q.dtype)
+  out, lse = tag_residuals(out.astype(q.dtype), lse)
   return (out, lse), (q, k, v, out, lse, mask)
 
 

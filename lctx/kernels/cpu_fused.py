@@ -23,6 +23,7 @@ from lctx.kernels import cpu_build, flop_tags
 from lctx.kernels.cpu_build import BWD_TARGET, FWD_TARGET, available, unavailable_reason
 from lctx.kernels.masking import check_shapes, default_scale, normalize_mask_args, pad_axis
 from lctx.kernels.options import AttentionOptions
+from lctx.kernels.remat_tags import tag_residuals
 from lctx.kernels.shard_typing import cotangent_like, varying_like
 
 _Q_MULT, _KV_MULT = 8, 64  # the kernel's length granules (cpu_attention.cc)
@@ -115,7 +116,7 @@ def _fused(q, k, v, mask_arrays, cfg: _Cfg):
 
 
 def _fused_fwd(q, k, v, mask_arrays, cfg):
-  out, lse = _fwd_call(q, k, v, mask_arrays, cfg)
+  out, lse = tag_residuals(*_fwd_call(q, k, v, mask_arrays, cfg))
   return (out, lse), (q, k, v, out, lse, mask_arrays)
 
 

@@ -47,6 +47,7 @@ from lctx.kernels.blockwise import (
 from lctx.kernels.masking import check_shapes
 from lctx.kernels.options import BACKENDS, PLATFORMS, AttentionOptions, options_from  # noqa: F401
 from lctx.kernels.reference import reference_attention
+from lctx.kernels.remat_tags import tag_output
 
 _FALLBACKS_LOGGED: set[tuple[str, str]] = set()
 
@@ -168,13 +169,14 @@ def flash_attention(
     return blockwise_attention(q, k, v, return_lse=return_lse, options=opts, **inputs)
   if kernel == "cpu":
     return cpu_fused.attend(q, k, v, return_lse=return_lse, options=opts, **inputs)
+  # Backends without a custom VJP of their own: the output tagged here (remat_tags.py).
   if kernel == "reference":
     mask = dict(causal=opts.causal, window_size=opts.window_size, softmax_scale=opts.softmax_scale)
-    return reference_attention(q, k, v, return_lse=return_lse, **mask, **inputs)
+    return tag_output(reference_attention(q, k, v, return_lse=return_lse, **mask, **inputs))
   if kernel == "xla":
     if return_lse:
       raise ValueError("backend='xla' cannot return lse; use 'blockwise' or 'reference'")
-    return jax_nn.xla_attention(q, k, v, options=opts, **inputs)
+    return tag_output(jax_nn.xla_attention(q, k, v, options=opts, **inputs))
   if kernel == "splash":  # raises ValueError naming why if the call cannot take it
     return splash.splash_attention(
       q,
@@ -192,7 +194,7 @@ def flash_attention(
   )
   if why:
     raise ValueError(f"backend='cudnn': {why}")
-  return jax_nn.cudnn_attention(q, k, v, options=opts)
+  return tag_output(jax_nn.cudnn_attention(q, k, v, options=opts))
 
 
 def _block_backend(q, k, v, backend: str, platform: str | None, layout, positions_given) -> str:

@@ -27,8 +27,9 @@ CPU kernels, which skip cross-document blocks at run time, it is the upper bound
 FLOPs per visible (query, key) pair of a computed block and q head, with H the
 q/k head dim and V the value head dim (2 per multiply-add):
   forward: QK^T 2H + PV 2V;
-  FA2 backward in one pass (blockwise, CPU): S 2H, dP 2V, dV 2V, dQ 2H, dK 2H;
-  splash's dkv pass: S 2H, dP 2V, dV 2V, dK 2H; its dq pass: S 2H, dP 2V, dQ 2H.
+  FA2 backward in one pass (blockwise, CPU, splash's fused kernel): S 2H, dP 2V,
+    dV 2V, dQ 2H, dK 2H;
+  splash's two-pass form (AttentionOptions.fused_bwd=False): its dkv pass: S 2H, dP 2V, dV 2V, dK 2H; its dq pass: S 2H, dP 2V, dQ 2H.
 """
 
 from __future__ import annotations

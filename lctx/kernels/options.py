@@ -35,6 +35,16 @@ class AttentionOptions:
       the block API's backward uses block_q / block_kv.
     platform: 'cpu' | 'gpu' | 'tpu' the call compiles for (None: the default
       backend); decides what 'auto' picks.
+    fused_bwd: splash's backward as the library's one fused dq+dkv kernel (QK^T
+      and P computed once per block pair: 5 matmuls) instead of its dkv and dq
+      kernels (7). The fused kernel writes dq partials [kv blocks, *q.shape]
+      in q's dtype and sums them after, so each fused call is cut into
+      (q piece, kv piece) calls whose partials stay within dq_partial_bytes
+      (splash_tiling.bwd_tiles). Valid for every mask, layout and strategy
+      splash takes; False keeps the two-pass form (no partials). The
+      blockwise and CPU kernels are single-pass already and ignore it.
+    dq_partial_bytes: the most bytes of dq partials one fused splash backward
+      call may write (summed over the batch and heads of the call).
   Context strategies (lctx/parallel; the kernels ignore these):
     token_order: the order of the global sequence the strategies shard, when
       the batch is known to follow it (positions count up by one along the
@@ -59,6 +69,8 @@ class AttentionOptions:
   block_q_bwd: int | None = None
   block_kv_bwd: int | None = None
   platform: str | None = None
+  fused_bwd: bool = True
+  dq_partial_bytes: int = 1 << 30
   token_order: int | None = None
   sub_chunks: int | None = None
   split_above: int = 4096
@@ -80,10 +92,13 @@ class AttentionOptions:
         continue
       kind = "None or a positive int" if optional else "a positive int"
       raise ValueError(f"{name} must be {kind} (block sizes must be >= 1); got {value!r}")
+    if not isinstance(self.dq_partial_bytes, int) or self.dq_partial_bytes < 1:
+      raise ValueError(f"dq_partial_bytes must be a positive int; got {self.dq_partial_bytes!r}")
     if self.window_size is not None and int(self.window_size) < 1:
       raise ValueError(f"window_size must be None or >= 1; got {self.window_size}")
     # Normalised so equal settings hash equal (np.int64 windows, 0/1 causal).
     object.__setattr__(self, "causal", bool(self.causal))
+    object.__setattr__(self, "fused_bwd", bool(self.fused_bwd))
     if self.window_size is not None:
       object.__setattr__(self, "window_size", int(self.window_size))
 

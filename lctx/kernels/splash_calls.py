@@ -2,11 +2,15 @@
 
 Built on the Pallas kernels of `jax.experimental.pallas.ops.tpu.splash_attention`
 (the installed jax): its private forward with `save_residuals` (which returns
-the lse) and its dq / dkv backward kernels, so that splash_vjp.py can own the
-custom_vjp. Each function here runs one kv run (rows contiguous in natural
-order, splash_tiling.py) on head-major arrays, vmapped over the batch; the
-`*_tiled` forms cut a run whose block maps outgrow SMEM into pieces, merged
-through their lse (forward) or summed (backward).
+the lse) and its backward kernels, so that splash_vjp.py can own the
+custom_vjp: the fused dq+dkv kernel (cfg.fused_bwd; it writes dq partials
+[kv blocks, *q.shape] in q's dtype and sums them, and `backward_tiled` keeps
+them within cfg.dq_partial_bytes by its pieces; with bf16 q each partial is
+rounded to bf16 before that sum), or the dkv kernel then the dq kernel. Each
+function here runs one kv run (rows contiguous in natural order,
+splash_tiling.py) on head-major arrays, vmapped over the batch; the `*_tiled`
+forms cut a run whose block maps outgrow SMEM into pieces, merged through their
+lse (forward) or summed (backward).
 """
 
 from __future__ import annotations
@@ -19,7 +23,15 @@ import jax.numpy as jnp
 from lctx.kernels import flop_tags
 from lctx.kernels.masking import MASKED_LSE
 from lctx.kernels.shard_typing import varying_like
-from lctx.kernels.splash_tiling import SplashCall, block_sizes, library, mask_info, tiles
+from lctx.kernels.splash_tiling import (
+  SplashCall,
+  block_sizes,
+  bwd_tiles,
+  library,
+  mask_info,
+  q_row_bytes,
+  tiles,
+)
 
 VALID_LSE = -1e29  # any real lse is far above; the kernel gives ~-2.4e38 or -inf for no key
 
@@ -123,12 +135,19 @@ def _forward_run(cfg: SplashCall, q, k, v, q_seg, kv_seg, qseq):
 
 
 def _backward_run(cfg: SplashCall, q, k, v, q_seg, kv_seg, qseq, lse, do, di, flops=(0, 0)):
-  """One kv run: the kernel's dkv and dq passes, vmapped over the batch."""
+  """One kv run: the kernel's fused pass (flops: (fused,)) or its dkv and dq
+  passes (flops: (dkv, dq)), vmapped over the batch."""
   sk = library()
   t, s = q.shape[2], k.shape[2]
   sizes = block_sizes(cfg, t, s)
+  # The fused kernel walks the whole (kv, q) grid (the library's unshrunk dkv
+  # grid, which mask_info builds): every dq partial block is written, 0 if skipped.
   dkv_info = mask_info(cfg, qseq, sizes.block_q_dkv, s, sizes.block_kv_dkv, dkv=True)
-  dq_info = mask_info(cfg, qseq, sizes.block_q_dq, s, sizes.block_kv_dq, dkv=False)
+  dq_info = (
+    None
+    if cfg.fused_bwd
+    else mask_info(cfg, qseq, sizes.block_q_dq, s, sizes.block_kv_dq, dkv=False)
+  )
   common = dict(
     is_mqa=False,
     mask_value=sk.DEFAULT_MASK_VALUE,
@@ -141,14 +160,18 @@ def _backward_run(cfg: SplashCall, q, k, v, q_seg, kv_seg, qseq, lse, do, di, fl
   )
 
   def one(qb, kb, vb, lb, dob, dib, seg):
+    if cfg.fused_bwd:
+      with flop_tags.flops_scope(flops[0]):
+        return _dkv(qb, kb, vb, lb, dob, dib, seg)
     with flop_tags.flops_scope(flops[0]):
-      dkv = _dkv(qb, kb, vb, lb, dob, dib, seg)
+      _, dk, dv = _dkv(qb, kb, vb, lb, dob, dib, seg)
     with flop_tags.flops_scope(flops[1]):
       dq = _dq(qb, kb, vb, lb, dob, dib, seg)
-    return dq, *dkv
+    return dq, dk, dv
 
   def _dkv(qb, kb, vb, lb, dob, dib, seg):
-    _, dk, dv = sk._splash_attention_bwd_dkv(  # noqa: SLF001
+    # Fused: dq is the sum of the kernel's partials (`dq_unreduced.sum(axis=0)`).
+    return sk._splash_attention_bwd_dkv(  # noqa: SLF001
       qb,
       kb,
       vb,
@@ -161,10 +184,9 @@ def _backward_run(cfg: SplashCall, q, k, v, q_seg, kv_seg, qseq, lse, do, di, fl
       bkv=sizes.block_kv_dkv,
       bkv_compute=sizes.block_kv_dkv_compute,
       mask_info=dkv_info,
-      use_fused_bwd_kernel=False,
+      use_fused_bwd_kernel=cfg.fused_bwd,
       **common,
     )
-    return dk, dv
 
   def _dq(qb, kb, vb, lb, dob, dib, seg):
     return sk._splash_attention_bwd_dq(  # noqa: SLF001
@@ -231,9 +253,10 @@ def forward_tiled(cfg: SplashCall, q, k, v, q_seg, kv_seg, qseq):
 
 def backward_tiled(cfg: SplashCall, q, k, v, q_seg, kv_seg, qseq, lse, do, di, flops=(0, 0)):
   """`_backward_run` on one kv run, as a loop of pieces when its block maps outgrow
-  SMEM: for each kv piece, its dk/dv summed over the q pieces, dq accumulated."""
+  SMEM or (fused) its dq partials outgrow cfg.dq_partial_bytes (`bwd_tiles`):
+  for each kv piece, its dk/dv summed over the q pieces, dq accumulated in f32."""
   t, s = q.shape[2], k.shape[2]
-  tq, ts = tiles(cfg, t, s)
+  tq, ts = bwd_tiles(cfg, t, s, q_row_bytes(q))
   if (tq, ts) == (t, s):
     return _backward_run(cfg, q, k, v, q_seg, kv_seg, qseq, lse, do, di, flops)
   refs = (q, k, v, q_seg, kv_seg, qseq, lse, do, di)

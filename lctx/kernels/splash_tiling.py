@@ -80,6 +80,8 @@ class SplashCall:
   order: TokenOrder
   interpret: bool
   map_budget: int = MAX_BLOCK_MAP_BYTES  # SMEM bytes of block maps per kernel call
+  fused_bwd: bool = True  # the library's fused dq+dkv backward kernel
+  dq_partial_bytes: int = 1 << 30  # HBM bytes of dq partials per fused call
 
   @property
   def mask_fn(self) -> MaskFn | None:
@@ -102,6 +104,8 @@ def call_config(
     order=layout.order if layout is not None else TokenOrder(max(t, s)),
     interpret=bool(interpret),
     map_budget=int(map_budget),
+    fused_bwd=options.fused_bwd,
+    dq_partial_bytes=options.dq_partial_bytes,
   )
 
 
@@ -264,6 +268,37 @@ def tiles(cfg: SplashCall, t: int, s: int) -> tuple[int, int]:
   return tq, ts
 
 
+def dq_partials_bytes(cfg: SplashCall, tq: int, ts: int, q_row_bytes: int) -> int:
+  """Bytes of the dq partials a fused backward call on a (tq, ts) piece writes:
+  [ts / block_kv_dkv, *q piece] in q's dtype (q_row_bytes: one q row over the
+  call's batch and heads)."""
+  return (ts // block_sizes(cfg, tq, ts).block_kv_dkv) * tq * q_row_bytes
+
+
+def bwd_tiles(cfg: SplashCall, t: int, s: int, q_row_bytes: int) -> tuple[int, int]:
+  """(q piece, kv piece) of the backward: `tiles`, and with the fused kernel
+  cut further until its dq partials fit cfg.dq_partial_bytes: kv first (fewer
+  kv blocks per call), then q, down to one lane-wide piece."""
+  tq, ts = tiles(cfg, t, s)
+  if not cfg.fused_bwd:
+    return tq, ts
+  while dq_partials_bytes(cfg, tq, ts, q_row_bytes) > cfg.dq_partial_bytes:
+    shorter_s, shorter_q = _shorter_piece(s, ts), _shorter_piece(t, tq)
+    if shorter_s != ts and ts // block_sizes(cfg, tq, ts).block_kv_dkv > 1:
+      ts = shorter_s
+    elif shorter_q != tq:
+      tq = shorter_q
+    else:
+      break  # single-lane pieces: nothing shorter
+  return tq, ts
+
+
+def q_row_bytes(q) -> int:
+  """Bytes of one q row of a head-major q `[B, N, T, H]` over its batch and heads."""
+  b, n, _, h = q.shape
+  return b * n * h * jnp.dtype(q.dtype).itemsize
+
+
 # ---------------------------------------------------------------------------
 # FLOPs per kernel call, from the block maps the calls build (flop_tags.py)
 # ---------------------------------------------------------------------------
@@ -282,11 +317,14 @@ def _possible_starts(start, length: int, order: TokenOrder) -> list[int]:
   return starts
 
 
-def call_flops(cfg: SplashCall, q, k, v, q_start, kv_start, passes) -> list[float]:
+def call_flops(
+  cfg: SplashCall, q, k, v, q_start, kv_start, passes, backward: bool = False
+) -> list[float]:
   """Per pass ((block_q, block_kv, FLOPs per pair) of `block_sizes` names), the FLOPs of
   one kernel call of a `forward` / `backward` on head-major q, k, v: the live
   blocks of the maps `block_classes` builds, over all runs and pieces, divided
-  by the calls made; traced starts averaged over their possible values."""
+  by the calls made (the backward's pieces: `bwd_tiles`); traced starts
+  averaged over their possible values."""
   b, n, t, _ = q.shape
   s = k.shape[2]
   totals, calls, samples = [0.0] * len(passes), 0, 0
@@ -296,7 +334,7 @@ def call_flops(cfg: SplashCall, q, k, v, q_start, kv_start, passes) -> list[floa
       samples += 1
       calls, r = 0, kv_run(cfg.order, s)
       for _, nat in run_starts(cfg, s, ks, xp=np):
-        tq, ts = tiles(cfg, t, r)
+        tq, ts = bwd_tiles(cfg, t, r, q_row_bytes(q)) if backward else tiles(cfg, t, r)
         calls += (t // tq) * (r // ts)
         sizes = block_sizes(cfg, tq, ts)
         qseq = qnat - int(nat)

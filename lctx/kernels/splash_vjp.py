@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lctx.kernels import flop_tags
+from lctx.kernels.remat_tags import tag_residuals
 from lctx.kernels.shard_typing import cotangent_like
 from lctx.kernels.splash_calls import backward_tiled, forward_tiled, merge
 from lctx.kernels.splash_tiling import SplashCall, call_flops, kv_run, q_natural, run_starts
@@ -77,18 +78,14 @@ def backward(cfg: SplashCall, q, k, v, q_seg, kv_seg, q_start, kv_start, out, ls
     di = di - dlse.astype(jnp.float32)
   do = dout.astype(v.dtype)
   h, vd = q.shape[3], v.shape[3]
-  flops = call_flops(
-    cfg,
-    q,
-    k,
-    v,
-    q_start,
-    kv_start,
-    [
+  if cfg.fused_bwd:
+    passes = [("block_q_dkv", "block_kv_dkv", flop_tags.fa2_backward_pair_flops(h, vd))]
+  else:
+    passes = [
       ("block_q_dkv", "block_kv_dkv", flop_tags.splash_dkv_pair_flops(h, vd)),
       ("block_q_dq", "block_kv_dq", flop_tags.splash_dq_pair_flops(h, vd)),
-    ],
-  )
+    ]
+  flops = call_flops(cfg, q, k, v, q_start, kv_start, passes, backward=True)
   dq, dks, dvs = None, [], []
   for kr, vr, sr, start in _runs(cfg, k, v, kv_seg, kv_start):
     qseq = (qnat - start).astype(jnp.int32)
@@ -123,7 +120,7 @@ def attention(cfg, q, k, v, q_seg, kv_seg, q_start, kv_start):
 def _attention_fwd(cfg, q, k, v, q_seg, kv_seg, q_start, kv_start):
   qh, kh, vh = head_major(q, k, v, cfg.scale)
   out, lse = forward(cfg, qh, kh, vh, q_seg, kv_seg, q_start, kv_start)
-  out = out.astype(q.dtype)
+  out, lse = tag_residuals(out.astype(q.dtype), lse)  # head-major [B, N, T, V]
   return (out.transpose(0, 2, 1, 3), lse), (q, k, v, q_seg, kv_seg, q_start, kv_start, out, lse)
 
 

@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lctx import kernels
 from lctx.errors import ConfigError
+from lctx.kernels.remat_tags import TAGS_ATTRIBUTE
 from lctx.models.config import ModelConfig, rotary_dim
 from lctx.models.layers import constrain, fan_in_init, norm_of, param
 from lctx.models.rope import apply_rope
@@ -35,6 +36,14 @@ def _attention_call(mixer, window_size):
   return as_mixer(mixer).attention_for(
     "full_attention" if window_size is None else "sliding_attention"
   )
+
+
+def _tag_out(call, out):
+  """The 'attention_out' remat tag, unless the call's kernels tag their own
+  residuals (output and lse; lctx/kernels/remat_tags.py): one saved copy."""
+  if getattr(call, TAGS_ATTRIBUTE, False):
+    return out
+  return checkpoint_name(out, "attention_out")
 
 
 def reference_attention_fn(
@@ -140,7 +149,7 @@ class GQAAttention(nn.Module):
     if biases is not None:
       q, k, v = (t + b.astype(c.dtype) for t, b in zip((q, k, v), biases))
     out = self._attend(q, k, v, segment_ids, positions, norms, tag=True)
-    out = checkpoint_name(out, "attention_out")  # [B, T, N, H]
+    out = _tag_out(_attention_call(self.mixer, self.window_size), out)  # [B, T, N, H]
     if gate is not None:  # Qwen3.5's output gate, per head and channel
       out = out * gate.astype(out.dtype)
     return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
@@ -155,7 +164,8 @@ class GQAAttention(nn.Module):
     v = constrain(v, _KV_NAMES)
     if tag:
       q, k, v = _tag_qkv(q, k, v)
-    out = _attention_call(self.mixer, self.window_size)(
+    call = _attention_call(self.mixer, self.window_size)
+    out = call(
       q,
       k,
       v,
@@ -289,7 +299,8 @@ class MLAAttention(nn.Module):
     q, k = constrain(q, _Q_NAMES), constrain(k, _Q_NAMES)
     v = constrain(v, _Q_NAMES)
     q, k, v = _tag_qkv(q, k, v)
-    out = _attention_call(self.mixer, self.window_size)(
+    call = _attention_call(self.mixer, self.window_size)
+    out = call(
       q,
       k,
       v,
@@ -299,5 +310,5 @@ class MLAAttention(nn.Module):
       window_size=self.window_size,
       softmax_scale=(nope + r) ** -0.5,
     )
-    out = checkpoint_name(constrain(out, _Q_NAMES), "attention_out")  # [B, T, N, V]
+    out = _tag_out(call, constrain(out, _Q_NAMES))  # [B, T, N, V]
     return checkpoint_name(jnp.einsum("BTNV,NVD->BTD", out, wo.astype(cd)), "out_proj")

@@ -23,14 +23,17 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 #   RoPE, what attention consumes); attention_out [B, T, N, V] (attention's output
 #   before the output projection); out_proj [B, T, D]; mlp_gate, mlp_up, mlp_hidden
 #   [B*T, F] (mlp_hidden = silu(gate) * up); mlp_out [B*T, D].
-# The attention lse lives inside the attention plug-in's custom VJP (lctx.kernels /
-# lctx.parallel), which the model cannot name, so it has no tag here.
+# attention_lse [B, N, T] f32: the kernel's logsumexp. The attention kernels' custom
+# VJPs tag their own residuals, output and lse (lctx/kernels/remat_tags.py), so a
+# policy keeping both never re-runs the attention forward in the backward; the
+# model tags the output itself only for plug-ins that do not.
 REMAT_TAGS = (
   "layer_input",
   "query_proj",
   "key_proj",
   "value_proj",
   "attention_out",
+  "attention_lse",
   "out_proj",
   "mlp_gate",
   "mlp_up",
@@ -42,6 +45,8 @@ _QKV = ("query_proj", "key_proj", "value_proj")
 # The tags that are matmul outputs: what the JAX dot policies (`dots`,
 # `dots_no_batch`) save.
 DOT_TAGS = _QKV + ("out_proj", "mlp_gate", "mlp_up", "mlp_out")
+# What the attention backward needs from its forward: the output and its lse.
+ATTENTION_RESIDUALS = ("attention_out", "attention_lse")
 # Presets expressed as per-tag choices; a tag not listed is recomputed ('remat').
 # The layer input is always kept on the device unless a choice says otherwise
 # (it is what a rematerialised layer restarts from).
@@ -49,15 +54,15 @@ REMAT_PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
   "full": (),
   "minimal": tuple((t, "device") for t in DOT_TAGS),
   "minimal_offloaded": tuple((t, "offload") for t in DOT_TAGS),
-  "save_dots": tuple((t, "device") for t in DOT_TAGS + ("attention_out", "mlp_hidden")),
+  "save_dots": tuple((t, "device") for t in DOT_TAGS + ATTENTION_RESIDUALS + ("mlp_hidden",)),
   "save_qkv_proj": tuple((t, "device") for t in _QKV),
   "qkv_proj_offloaded": tuple((t, "offload") for t in _QKV),
-  "save_attention_out": (("attention_out", "device"),),
-  "attention_out_offloaded": (("attention_out", "offload"),),
+  "save_attention_out": tuple((t, "device") for t in ATTENTION_RESIDUALS),
+  "attention_out_offloaded": tuple((t, "offload") for t in ATTENTION_RESIDUALS),
   "offload_layer_inputs": (("layer_input", "offload"),),
   "offload_layer_inputs_and_attention_out": (
     ("layer_input", "offload"),
-    ("attention_out", "offload"),
+    *((t, "offload") for t in ATTENTION_RESIDUALS),
   ),
 }
 # Policies that are not per-tag choices: no remat at all, and JAX's dot policies.

@@ -64,6 +64,8 @@ class AttentionSetup:
   block_kv: int = 512
   kernel: str = "blockwise"
   head_chunks: int | None = None
+  fused_bwd: bool = True
+  dq_partial_bytes: int = 1 << 30
 
   def axis(self, name: str) -> int:
     return int(self.mesh.get(name, 1))
@@ -103,6 +105,9 @@ def attention_buffer_bytes(
   qf, kf = head_chunk_fractions(dims, setup)
   n, k = n * qf, k * kf  # one UPipe stage's heads live at a time
   if setup.kernel == "splash":
+    # The fused backward's dq partials (splash_dq_partial_bytes) are not added:
+    # with them the usp splash compile check (tests/test_planner.py, tpu7x:2x2x1)
+    # read far over the compiler (docs/benchmarks.md); its peak lies elsewhere.
     return rows * _splash_bytes(dims, setup, co, n, k, t) * setup.dtype_bytes / 2
   if setup.strategy in ("none", "all_gather"):
     # The whole sequence's K/V, and the local queries' q/out/dout/dq.
@@ -143,6 +148,30 @@ def head_chunk_fractions(dims: HeadDims, setup: AttentionSetup) -> tuple[float, 
   u, g = q_dev / stages, dims.num_heads / dims.num_kv_heads
   w = u / g if u >= g else 1.0  # kv heads per stage
   return 1.0 / stages, min(1.0, w / kv_dev)
+
+
+def splash_dq_partial_bytes(dims: HeadDims, setup, rows: int, n: float, t: float) -> float:
+  """The fused splash backward's dq partials (AttentionOptions.fused_bwd): one call
+  writes [kv_len / block_kv, *q.shape] in q's dtype, at most dq_partial_bytes
+  (lctx/kernels/splash_tiling.py bwd_tiles cuts bigger calls into pieces), for
+  reports; `attention_buffer_bytes` does not add it (see there). A shape
+  count, not fitted: one call's q and kv (ring / usp: per hop and sub-chunk, at
+  the default sub-chunking); 0 with the two-pass form."""
+  if not getattr(setup, "fused_bwd", True):
+    return 0.0
+  from lctx.kernels.options import AttentionOptions  # pylint: disable=g-import-not-at-top
+  from lctx.parallel.block_ops import ring_sub_chunks  # pylint: disable=g-import-not-at-top
+
+  c, seq = setup.axis("context"), setup.seq_len
+  if setup.strategy in ("none", "all_gather", "ulysses"):
+    q_rows, kv_len = t, seq  # ulysses: the whole sequence on n / c heads, as many bytes
+  else:  # ring / usp: per hop (usp: the ring group's chunk of N / u heads), in sub-chunks
+    local = seq / c if setup.strategy == "usp" else t
+    pieces = ring_sub_chunks(AttentionOptions(), int(local))
+    q_rows, kv_len = t / pieces, local / pieces
+  q_bytes = rows * q_rows * n * lanes(dims.head_dim) * setup.dtype_bytes
+  blocks = max(1.0, kv_len / max(setup.block_kv, 128))
+  return min(float(getattr(setup, "dq_partial_bytes", 1 << 30)), blocks * q_bytes)
 
 
 def _splash_bytes(dims: HeadDims, setup: AttentionSetup, co, n: float, k: float, t: float) -> float:

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from lctx.errors import ConfigError
 from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.remat_tags import TAGS_ATTRIBUTE
 from lctx.parallel import halo
 from lctx.parallel.all_gather import all_gather_attention_local
 from lctx.parallel.auto import choose_strategy
@@ -242,6 +243,9 @@ def make_attention_fn(
     cfg = base.with_mask(causal, window_size, softmax_scale)
     return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions, window_aware)
 
+  # Every call goes through lctx.kernels' custom VJPs (or the ring's), which tag
+  # their output and lse for the remat policies (lctx/kernels/remat_tags.py).
+  setattr(attention_fn, TAGS_ATTRIBUTE, True)
   return attention_fn
 
 

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from lctx import kernels
 from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.remat_tags import TAGS_ATTRIBUTE
 from lctx.kernels.token_order import Layout, TokenOrder
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, mesh_shape, shard_map_over
 
@@ -128,4 +129,5 @@ def local_attention_fn(
       positions = jax.numpy.broadcast_to(jax.numpy.arange(t, dtype=jax.numpy.int32), (b, t))
     return _sharded_splash(m, call, q, k, v, segment_ids, positions)
 
+  setattr(attention_fn, TAGS_ATTRIBUTE, True)  # flash_attention tags (remat_tags.py)
   return attention_fn

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from lctx.kernels.masking import MASKED_LSE
 from lctx.kernels.options import AttentionOptions
+from lctx.kernels.remat_tags import tag_residuals
 from lctx.kernels.shard_typing import cotangent_like, varying_like
 from lctx.parallel import block_ops
 
@@ -146,7 +147,7 @@ def _ring(cfg, axis, size, q, k, v, seg, pos):
 
 
 def _ring_fwd(cfg, axis, size, q, k, v, seg, pos):
-  out, lse = _ring_forward(cfg, axis, size, q, k, v, seg, pos)
+  out, lse = tag_residuals(*_ring_forward(cfg, axis, size, q, k, v, seg, pos))
   return out, (q, k, v, seg, pos, out, lse)
 
 

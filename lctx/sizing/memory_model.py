@@ -136,6 +136,10 @@ class Setup:
       f32 softmax statistics in HBM); see KERNELS and `resolve_kernel`.
     head_chunks: TrainConfig.ulysses_head_chunks (ulysses / usp UPipe stages;
       see head_chunk_fractions); None: all heads at once.
+    fused_bwd: splash's fused dq+dkv backward (TrainConfig.attention_fused_bwd):
+      5 matmuls per block pair instead of 7, and dq partials of at most
+      dq_partial_bytes while it runs (attention_memory.splash_dq_partial_bytes,
+      not added to the total: the compile checks do not show them at the peak).
   """
 
   strategy: str
@@ -155,6 +159,8 @@ class Setup:
   block_kv: int = 512
   kernel: str = "blockwise"
   head_chunks: int | None = None
+  fused_bwd: bool = True
+  dq_partial_bytes: int = 1 << 30
 
   def axis(self, name: str) -> int:
     return int(self.mesh.get(name, 1))
@@ -183,8 +189,8 @@ class Setup:
 # ----------------------------------------------------------------------------
 # The tables are lctx/models' (REMAT_TAGS, DOT_TAGS, REMAT_PRESETS), read here.
 # 'residuals' stands for what a layer's backward needs that has no tag (norm
-# statistics, the kernel's lse, RoPE's f32 intermediates ...): only 'none'
-# keeps it.
+# statistics, RoPE's f32 intermediates ...): only 'none' keeps it. The kernel's
+# lse has its own tag (attention_lse).
 LAYER_TENSORS = (*models_config.REMAT_TAGS, "residuals")
 
 
@@ -228,14 +234,15 @@ def tensor_bytes_per_token(name: str, dims: ModelDims, setup: Setup) -> float:
     "key_proj": k * h * a,
     "value_proj": k * v * a,
     "attention_out": n * v * a,
+    "attention_lse": n * F32,  # the kernel's logsumexp (remat_tags.py)
     "out_proj": d * a,
     "mlp_gate": f * a,
     "mlp_up": f * a,
     "mlp_hidden": f * a,
     "mlp_out": d * a,
     # Two RMSNorms (f32 normalised input + bf16 output each), q and k before
-    # RoPE and the f32 they rotate in, lse, the residual sum, SwiGLU's sigmoid.
-    "residuals": 2 * d * (F32 + a) + (n + k) * h * (a + F32) + n * F32 + d * a + f * a,
+    # RoPE and the f32 they rotate in, the residual sum, SwiGLU's sigmoid.
+    "residuals": 2 * d * (F32 + a) + (n + k) * h * (a + F32) + d * a + f * a,
   }
   if name not in sizes:
     raise ValueError(f"unknown layer tensor {name!r}; known: {', '.join(LAYER_TENSORS)}")

@@ -55,6 +55,19 @@ REMAT_ORDER = (
   "offload_layer_inputs",
   "offload_layer_inputs_and_attention_out",
 )
+# The seed articles' order for spending memory, as one walk ('offload_order'):
+# keep every activation but offload the attention output (with its lse) first,
+# then the optimizer state, then the layer inputs, then the parameters; remat
+# last. Each step is (remat policy, offload_optimizer_state, offload_params),
+# adding to the one before; the search tries them after REMAT_ORDER.
+OFFLOAD_ORDER_NAME = "offload_order"
+OFFLOAD_ORDER = (
+  ("attention_out_offloaded", False, False),
+  ("attention_out_offloaded", True, False),
+  ("offload_layer_inputs_and_attention_out", True, False),
+  ("offload_layer_inputs_and_attention_out", True, True),
+  ("full", True, True),
+)
 ESTIMATE_LABEL = "planner estimate (analytic model, lctx/sizing/memory_model.py)"
 
 
@@ -115,11 +128,24 @@ def _group_size(model, remat_policy: str) -> int:
 
 
 def make_setup(
-  exp, *, strategy: str, mesh: dict[str, int], remat_policy: str, platform: str = "tpu"
+  exp,
+  *,
+  strategy: str,
+  mesh: dict[str, int],
+  remat_policy: str,
+  platform: str = "tpu",
+  offload_optimizer_state: bool | None = None,
+  offload_params: bool | None = None,
 ) -> mm.Setup:
   """A memory-model Setup of the experiment with these choices on `platform`'s
   devices ('tpu', 'gpu'; the attention kernel follows TrainConfig.attention_backend
-  as the trainer resolves it: 'auto' is splash on TPU, blockwise elsewhere)."""
+  as the trainer resolves it: 'auto' is splash on TPU, blockwise elsewhere).
+  offload_optimizer_state / offload_params: None keeps the TrainConfig's."""
+  train = exp.train
+  if offload_optimizer_state is None:
+    offload_optimizer_state = getattr(train, "offload_optimizer_state", False)
+  if offload_params is None:
+    offload_params = getattr(train, "offload_params", False)
   return mm.Setup(
     strategy=strategy,
     mesh=dict(mesh),
@@ -128,8 +154,8 @@ def make_setup(
     remat_policy=remat_policy,
     remat_choices=_remat_choices(exp.model, remat_policy),
     remat_group_size=_group_size(exp.model, remat_policy),
-    offload_optimizer_state=getattr(exp.train, "offload_optimizer_state", False),
-    offload_params=getattr(exp.train, "offload_params", False),
+    offload_optimizer_state=bool(offload_optimizer_state),
+    offload_params=bool(offload_params),
     dtype_bytes=_dtype_bytes(exp.model.dtype),
     param_bytes=_dtype_bytes(exp.model.param_dtype),
     loss_chunk_size=exp.train.loss_chunk_size,
@@ -140,6 +166,7 @@ def make_setup(
     head_chunks=getattr(exp.train, "ulysses_head_chunks", None)
     if strategy in ("ulysses", "usp")
     else None,
+    fused_bwd=getattr(train, "attention_fused_bwd", True),
   )
 
 
@@ -168,6 +195,8 @@ def gin_overrides(setup: mm.Setup) -> list[str]:
   out += ["MeshConfig.dcn_data=1", "MeshConfig.dcn_fsdp=1"]
   out.append(f"TrainConfig.context_parallel_strategy='{setup.strategy}'")
   out.append(f"ModelConfig.remat_policy='{setup.remat_policy}'")
+  out.append(f"TrainConfig.offload_optimizer_state={setup.offload_optimizer_state}")
+  out.append(f"TrainConfig.offload_params={setup.offload_params}")
   return out
 
 
@@ -247,7 +276,7 @@ def candidates(exp, target: hw.Target):
   free = devices // (tensor * data) if devices % (tensor * data) == 0 else 0
   for degree in sorted(d for d in range(1, free + 1) if free and free % d == 0):
     fsdp = free // degree
-    for remat in remat_policies():
+    for remat, state in _remat_steps():
       for strategy in ("none",) if degree == 1 else STRATEGIES:
         ulysses = [1]
         if strategy == "usp":
@@ -256,8 +285,24 @@ def candidates(exp, target: hw.Target):
           mesh = {"data": data, "fsdp": fsdp, "tensor": tensor}
           mesh.update(context=degree // u, context_ulysses=u)
           yield make_setup(
-            exp, strategy=strategy, mesh=mesh, remat_policy=remat, platform=_platform(target)
+            exp,
+            strategy=strategy,
+            mesh=mesh,
+            remat_policy=remat,
+            platform=_platform(target),
+            **state,
           )
+
+
+def _remat_steps():
+  """(remat policy, state-offload overrides) in search order: REMAT_ORDER with the
+  TrainConfig's state offload, then the OFFLOAD_ORDER walk."""
+  for remat in remat_policies():
+    yield remat, {}
+  known = getattr(models_config, "REMAT_POLICIES", mm.REMAT_POLICIES)
+  for remat, opt, params in OFFLOAD_ORDER:
+    if remat in known:
+      yield remat, dict(offload_optimizer_state=opt, offload_params=params)
 
 
 def configured_setup(exp, dims: mm.ModelDims, target: hw.Target) -> tuple[mm.Setup | None, str]:
@@ -364,13 +409,16 @@ def _setup_from_record(exp, rec: dict[str, Any], platform: str) -> mm.Setup:
     mesh=rec["mesh"],
     remat_policy=rec["remat_policy"],
     platform=platform,
+    offload_optimizer_state=rec.get("offload_optimizer_state"),
+    offload_params=rec.get("offload_params"),
   )
 
 
 def apply_setup(exp, rec: dict[str, Any]):
   """The experiment with a plan's setup (mesh, strategy, remat) put in."""
   mesh = mesh_lib.MeshConfig(**rec["mesh"])
-  train = dataclasses.replace(exp.train, context_parallel_strategy=rec["strategy"])
+  state = {k: rec[k] for k in ("offload_optimizer_state", "offload_params") if k in rec}
+  train = dataclasses.replace(exp.train, context_parallel_strategy=rec["strategy"], **state)
   model = dataclasses.replace(
     exp.model,
     remat_policy=rec["remat_policy"],

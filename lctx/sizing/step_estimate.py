@@ -6,11 +6,16 @@ hands them to the same `hardware.step_time`:
 
 - FLOPs per device: the trainer's model FLOPs (ModelConfig.flops_per_token, 3 x
   forward) with the attention part at the kernel's own cost (lctx/kernels/
-  flop_tags.py: a forward of 2H + 2V per visible pair; a backward of 6H + 4V,
-  splash's dkv + dq passes 8H + 6V, where the formula assumes 2 x forward), plus
-  the forward the remat policy recomputes: each projection or MLP matmul whose
-  output the policy does not keep, and the attention kernel unless its output is
-  kept (every policy but 'none' recomputes the elementwise rest, not counted).
+  flop_tags.py, per visible pair; forward 2H + 2V = 1 unit at H = V; a backward
+  in one pass of 6H + 4V = 2.5 units: blockwise, CPU and splash's fused kernel;
+  splash's two-pass form (fused_bwd=False) 8H + 6V = 3.5 units, where the
+  formula assumes 2 x forward), plus the forward the remat policy recomputes:
+  each projection or MLP matmul whose output the policy does not keep, and the
+  attention forward (1 unit) unless the policy keeps the kernel's residuals,
+  output and lse (lctx/kernels/remat_tags.py); a remat group of k > 1 layers
+  replays its layers' whole forward once more (its layers then recompute what
+  their own policy drops); every policy but 'none' recomputes the elementwise
+  rest, not counted.
 - collective bytes per device (ICI; ring algorithms, (n-1)/n of the data): FSDP
   gathers the parameters in the forward and the backward and reduce-scatters the
   gradients; all_gather gathers K/V per layer and reduce-scatters dK/dV;
@@ -28,6 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 from lctx import hardware as hw
+from lctx.kernels import flop_tags
+from lctx.models import config as models_config
 from lctx.sizing import memory_model as mm
 
 _PROJ_TAGS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_out")
@@ -35,8 +42,21 @@ _PROJ_TAGS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "m
 
 def _kept(setup: mm.Setup) -> set[str]:
   if setup.remat_policy == "none":
-    return set(mm.LAYER_TENSORS) | {"attention_out"}
+    return set(mm.LAYER_TENSORS)
   return set(mm.remat_table(setup))
+
+
+def attention_kept(setup: mm.Setup) -> bool:
+  """Whether the policy keeps the attention residuals (output and lse), so the
+  backward does not re-run the attention forward."""
+  return set(models_config.ATTENTION_RESIDUALS) <= _kept(setup)
+
+
+def backward_pair_flops(setup: mm.Setup, h: int, v: int) -> int:
+  """The attention backward's FLOPs per visible pair and q head (flop_tags.py)."""
+  if setup.kernel == "splash" and not getattr(setup, "fused_bwd", True):
+    return flop_tags.splash_dkv_pair_flops(h, v) + flop_tags.splash_dq_pair_flops(h, v)
+  return flop_tags.fa2_backward_pair_flops(h, v)
 
 
 def flops_per_device(model, dims: mm.ModelDims, setup: mm.Setup, devices: int) -> dict[str, float]:
@@ -46,7 +66,7 @@ def flops_per_device(model, dims: mm.ModelDims, setup: mm.Setup, devices: int) -
   attn_fwd = model.flops_per_token(setup.seq_len, causal=True, training=False)
   attn_fwd -= model.flops_per_token(1, causal=True, training=False)  # the attention part only
   h, v = dims.head_dim, dims.v_head_dim
-  bwd = (8 * h + 6 * v) if setup.kernel == "splash" else (6 * h + 4 * v)
+  bwd = backward_pair_flops(setup, h, v)
   extra = attn_fwd * (bwd / (2 * h + 2 * v) - 2)  # the formula counts the backward as 2 x
   d, n, k, f = dims.d_model, dims.num_heads, dims.num_kv_heads, dims.mlp_dim
   proj = {
@@ -62,8 +82,10 @@ def flops_per_device(model, dims: mm.ModelDims, setup: mm.Setup, devices: int) -
   recompute = 0.0
   if setup.remat_policy != "none":
     recompute = dims.num_layers * sum(x for t, x in proj.items() if t not in kept)
-    if "attention_out" not in kept:
+    if not attention_kept(setup):
       recompute += attn_fwd
+    if setup.remat_group_size > 1:  # the group replays its layers' whole forward once more
+      recompute += dims.num_layers * sum(proj.values()) + attn_fwd
   model_flops = per_token * tokens
   total = model_flops + (extra + recompute) * tokens
   return {
@@ -88,7 +110,7 @@ def collective_bytes_per_device(dims: mm.ModelDims, setup: mm.Setup) -> float:
     out += 3 * params * (shards - 1) / shards  # gather fwd + bwd, reduce-scatter grads
   kv = 2 * dims.num_kv_heads * dims.head_dim * a  # K and V per token
   q_out = 2 * dims.num_heads * dims.head_dim * a
-  recompute = 0 if "attention_out" in _kept(setup) else 1
+  recompute = 0 if attention_kept(setup) else 1
   passes_fwd = 1 + recompute
   if setup.strategy == "all_gather":
     p = setup.context_degree

@@ -426,3 +426,67 @@ def fit_pieces(conv: Conversation, seq_len: int, overflow: str) -> tuple[list[Co
       rel = np.asarray([s - a for s in conv.turn_starts if a <= s < b], np.int32)
       pieces.append(Conversation(conv.ids[a:b], mask, rel))
   return pieces, "split" if pieces else "dropped"
+
+
+# -- rows of conversation files --------------------------------------------------
+def row_messages(row, fields: dict) -> list[dict]:
+  """A file row -> its messages. fields (lctx.data.specs.chat_fields):
+  'messages' (the column of messages) or 'prompt' and 'completion' (a user
+  and an assistant turn), and 'system' (a column whose text, when the row has
+  it, is prepended as the system turn). ChatError for a bad row."""
+  if not isinstance(row, dict):
+    raise ChatError(f"the row is {type(row).__name__}, not an object.")
+
+  def need(field):
+    if field not in row or row[field] is None:
+      raise ChatError(f"the row has no field {field!r} (it has {sorted(row)[:10]}).")
+    return row[field]
+
+  if fields.get("messages"):
+    messages = need(fields["messages"])
+    if not isinstance(messages, list):
+      raise ChatError(f"field {fields['messages']!r} is {type(messages).__name__}, not a list.")
+    messages = [dict(m) if isinstance(m, dict) else m for m in messages]
+  else:
+    turns = []
+    for role, key in (("user", "prompt"), ("assistant", "completion")):
+      value = need(fields[key])
+      if not isinstance(value, str):
+        raise ChatError(f"field {fields[key]!r} is {type(value).__name__}, not text.")
+      turns.append({"role": role, "content": value})
+    messages = turns
+  system = row.get(fields.get("system") or "system")
+  if system is not None:
+    if not isinstance(system, str):
+      raise ChatError(f"field {fields['system']!r} is {type(system).__name__}, not text.")
+    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+      raise ChatError(f"the row has a system field {fields['system']!r} and a system message.")
+    messages = [{"role": "system", "content": system}] + messages
+  check_messages(messages)
+  return messages
+
+
+def row_to_bytes(row, where: str, fields: dict) -> bytes:
+  """A file row -> the stored document: JSON of its messages and where it came
+  from ('file:line', for errors raised later, e.g. by the template)."""
+  from lctx.data.files import BadRowError  # pylint: disable=g-import-not-at-top
+
+  try:
+    messages = row_messages(row, fields)
+  except ChatError as e:
+    raise BadRowError(where, str(e)) from e
+  return json.dumps({"where": where, "messages": messages}, ensure_ascii=False).encode("utf-8")
+
+
+def encode_stored(
+  raw: bytes, model_path: str, train_on: str, chat_template: str | None
+) -> Conversation:
+  """A stored row (row_to_bytes) -> its Conversation; a failure raises
+  BadRowError naming the row's file and line."""
+  from lctx.data.files import BadRowError  # pylint: disable=g-import-not-at-top
+
+  row = json.loads(raw)
+  try:
+    return encode_conversation(row["messages"], model_path, train_on, chat_template=chat_template)
+  except ChatError as e:
+    raise BadRowError(row["where"], str(e)) from e

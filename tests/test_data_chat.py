@@ -193,3 +193,19 @@ def test_fit_pieces_split_at_turns(tokenizers):
     at += len(p.ids)
   # A single message longer than a row: dropped.
   assert chat.fit_pieces(conv, 4, "split_turns") == ([], "dropped")
+
+
+def test_chat_template_from_another_model_directory(tokenizers, tmp_path):
+  """A base checkpoint without a template borrows the instruct model's."""
+  import shutil
+
+  base = tmp_path / "base"
+  shutil.copytree(tokenizers["llama31"], base)
+  (base / "chat_template.jinja").unlink()
+  config = base / "tokenizer_config.json"
+  config.write_text(config.read_text().replace('"chat_template"', '"unused"'))
+  with pytest.raises(chat.ChatError, match="no chat template"):
+    chat.encode_chat(ONE_TURN, str(base))
+  got = chat.encode_chat(ONE_TURN, str(base), chat_template=tokenizers["llama31"])
+  want = chat.encode_chat(ONE_TURN, tokenizers["llama31"])
+  assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()

@@ -160,11 +160,15 @@ def _read_json(path: str) -> dict:
 
 def _template_text(directory: str, chat_template: str | None) -> str:
   if chat_template is not None:
+    if os.path.isdir(os.path.expanduser(chat_template)):  # another model's template
+      return _template_text(os.path.expanduser(chat_template), None)
     if os.path.isfile(os.path.expanduser(chat_template)):
       with open(os.path.expanduser(chat_template), encoding="utf-8") as f:
         return f.read()
     if "{" not in chat_template:
-      raise ChatError(f"chat_template {chat_template!r} is neither a file nor template text.")
+      raise ChatError(
+        f"chat_template {chat_template!r} is neither a directory, a file nor template text."
+      )
     return chat_template
   jinja_file = os.path.join(directory, "chat_template.jinja")
   if os.path.isfile(jinja_file):
@@ -185,7 +189,9 @@ def _template_text(directory: str, chat_template: str | None) -> str:
 def load_chat_model(model_path: str, chat_template: str | None = None) -> ChatModel:
   """The template and tokenizer of model_path (cached per path).
 
-  chat_template: a .jinja file or template text to use instead of the model's."""
+  chat_template: instead of the model's, the template of another model
+  directory (e.g. the instruct model of a base checkpoint), a .jinja file, or
+  template text."""
   from lctx.data.tokenizers import HFTokenizer  # pylint: disable=g-import-not-at-top
 
   path = os.path.expanduser(model_path)

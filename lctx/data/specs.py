@@ -26,7 +26,8 @@ assistant turns:
 
 system_field (default 'system'): a row's system prompt, prepended as a system
 turn when the row has it. train_on: 'assistant' (default) or 'all'.
-chat_template: a .jinja file (or template text) to use instead of the model's.
+chat_template: instead of the model's template, another model directory's
+(e.g. the instruct model's, for a base checkpoint), a .jinja file or the text.
 Length filters and upsampling do not apply to conversations;
 DataConfig.chat_overflow says what happens to one longer than a row.
 

@@ -5,7 +5,7 @@ import helpers
 import numpy as np
 import pytest
 
-from lctx.data import chat
+from lctx.data import chat, conversations
 
 SYSTEM_AND_TURNS = [
   {"role": "system", "content": "  You read documents. Answer with the key. "},
@@ -173,11 +173,11 @@ def test_fit_pieces_split_at_turns(tokenizers):
   conv = chat.encode_conversation(SYSTEM_AND_TURNS, path)
   n = len(conv.ids)
   assert (conv.turn_starts >= 0).all() and conv.turn_starts[0] == 0
-  pieces, outcome = chat.fit_pieces(conv, n - 1, "split_turns")
+  pieces, outcome = conversations.fit_pieces(conv, n - 1, "split_turns")
   assert outcome == "fit" and pieces[0] is conv
-  assert chat.fit_pieces(conv, n - 2, "drop") == ([], "dropped")
+  assert conversations.fit_pieces(conv, n - 2, "drop") == ([], "dropped")
   seq_len = n // 2
-  pieces, outcome = chat.fit_pieces(conv, seq_len, "split_turns")
+  pieces, outcome = conversations.fit_pieces(conv, seq_len, "split_turns")
   assert outcome == "split" and len(pieces) >= 2
   starts = set(conv.turn_starts.tolist())
   at = 0
@@ -192,7 +192,7 @@ def test_fit_pieces_split_at_turns(tokenizers):
     assert p.loss_mask.tolist() == conv.loss_mask[at : at + len(p.ids)].tolist()
     at += len(p.ids)
   # A single message longer than a row: dropped.
-  assert chat.fit_pieces(conv, 4, "split_turns") == ([], "dropped")
+  assert conversations.fit_pieces(conv, 4, "split_turns") == ([], "dropped")
 
 
 def test_chat_template_from_another_model_directory(tokenizers, tmp_path):

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lctx.data import chat, files
+from lctx.data import chat, conversations, files
 from lctx.data.inspect import inspect_data
 from lctx.data.pipeline import DataConfig, make_iterator
 
@@ -136,7 +136,8 @@ def test_chat_overflow_drop_and_split_counted(tmp_path, tok):
       b = next(it)
       assert b["loss_mask"].sum() > 0
   pieces = [
-    chat.fit_pieces(chat.encode_conversation(m, tok), seq_len, "split_turns")[1] for m in convs
+    conversations.fit_pieces(chat.encode_conversation(m, tok), seq_len, "split_turns")[1]
+    for m in convs
   ]
   assert records["drop"]["chat_dropped"] == too_long and records["drop"]["chat_split"] == 0
   assert records["split_turns"]["chat_split"] == pieces.count("split") > 0

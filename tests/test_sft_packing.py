@@ -128,7 +128,9 @@ def test_each_packed_conversation_equals_it_alone(reference, strategy, mesh_kw, 
   loss, aux, _ = run(batch, params)
   parts = [ref_run(_alone(batch, *c), params) for c in convs]
   weights = np.array([float(p[1]["tokens"]) for p in parts])
-  np.testing.assert_allclose(loss, np.dot([p[0] for p in parts], weights) / weights.sum(), rtol=2e-5)
+  np.testing.assert_allclose(
+    loss, np.dot([p[0] for p in parts], weights) / weights.sum(), rtol=2e-5
+  )
   assert float(aux["tokens"]) == weights.sum() == batch["loss_mask"].sum()
 
   # Isolation (TRL's probe): new tokens in one conversation leave every other
@@ -180,7 +182,9 @@ def test_masked_prompt_targets_add_no_gradient(reference):
   assert (other["targets"] != batch["targets"]).sum() == masked.sum() > 20
   loss2, _, grads2 = run(other, params)
   assert loss == loss2
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), grads, grads2)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), grads, grads2
+  )
   # And the same targets counted (mask 1) do change them.
   counted = dict(other, loss_mask=(batch["segment_ids"] > 0).astype(np.float32))
   assert run(counted, params)[0] != loss

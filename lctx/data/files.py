@@ -6,7 +6,7 @@ or '<file>:<row>' (parquet, 1-based rows). Bad input raises BadRowError, a
 ValueError that names the file and the line or row: a line that is not JSON,
 a row without the field (or with a null / non-text one), a truncated file.
 Kind 'chat' reads .jsonl and .parquet files alike; each row becomes one
-conversation (lctx.data.chat.row_to_bytes checks its messages, so an unknown
+conversation (lctx.data.conversations.row_to_bytes checks its messages, so an unknown
 role or a missing field names the row too). With `on_bad_row` given, the reader calls it with that error instead and goes
 on (for a truncated file: with the next file).
 """
@@ -172,10 +172,10 @@ def iter_rows(
     raise ValueError(f"row files are {ROW_KINDS}, not {kind!r}.")
   extract = None
   if kind == "chat":
-    from lctx.data import chat  # pylint: disable=g-import-not-at-top  (imports jinja2 lazily)
+    from lctx.data import conversations  # pylint: disable=g-import-not-at-top  (jinja2 lazily)
 
     fields = json.loads(field)
-    extract = lambda row, where: chat.row_to_bytes(row, where, fields)  # noqa: E731
+    extract = lambda row, where: conversations.row_to_bytes(row, where, fields)  # noqa: E731
   for path in list_files(kind, pattern):
     parquet = path.endswith(_EXTENSIONS["parquet"])
     read = _parquet_rows if parquet else _jsonl_rows

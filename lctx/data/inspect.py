@@ -59,10 +59,10 @@ def document_lengths(
       continue
     idx = np.linspace(0, len(source) - 1, min(max_docs, len(source))).astype(int)
     if spec.kind == "chat":
-      from lctx.data import chat  # pylint: disable=g-import-not-at-top
+      from lctx.data import conversations  # pylint: disable=g-import-not-at-top
 
       args = streams.chat_args(config, spec)
-      out[spec.label] = [len(chat.encode_stored(source[int(i)], *args).ids) for i in idx]
+      out[spec.label] = [len(conversations.encode_stored(source[int(i)], *args).ids) for i in idx]
       continue
     out[spec.label] = [
       len(

@@ -110,13 +110,13 @@ def _corpus_documents(config, spec, source, *, seed, tokenizer) -> grain.MapData
 
 def _chat_documents(config, spec, source, *, seed) -> grain.MapDataset:
   """Conversations, shuffled per epoch, encoded with the model's chat template."""
-  from lctx.data import chat  # pylint: disable=g-import-not-at-top  (jinja2 only for chat)
+  from lctx.data import conversations  # pylint: disable=g-import-not-at-top  (jinja2 for chat)
 
   spec_args = chat_args(config, spec)
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(config.num_epochs)
 
   def encode(raw):
-    conv = chat.encode_stored(raw, *spec_args)
+    conv = conversations.encode_stored(raw, *spec_args)
     return {"tokens": conv.ids, "target_mask": conv.loss_mask, "turn_starts": conv.turn_starts}
 
   return ds.map(encode)
@@ -128,7 +128,7 @@ def chat_args(config, spec: SourceSpec) -> tuple:
 
 class ChatWindows(grain.experimental.FlatMapTransform):
   """An encoded conversation -> whole-conversation windows: one if it fits a
-  row, the pieces of DataConfig.chat_overflow if not (lctx.data.chat.fit_pieces)."""
+  row, the pieces of DataConfig.chat_overflow if not (lctx.data.conversations.fit_pieces)."""
 
   def __init__(self, seq_len: int, overflow: str, source_id: int | None = None):
     self.seq_len, self.overflow = seq_len, overflow
@@ -136,10 +136,12 @@ class ChatWindows(grain.experimental.FlatMapTransform):
     self.max_fan_out = 1 << 20
 
   def flat_map(self, element):
-    from lctx.data import chat  # pylint: disable=g-import-not-at-top
+    from lctx.data import conversations  # pylint: disable=g-import-not-at-top
 
-    conv = chat.Conversation(element["tokens"], element["target_mask"], element["turn_starts"])
-    pieces, _ = chat.fit_pieces(conv, self.seq_len, self.overflow)
+    conv = conversations.Conversation(
+      element["tokens"], element["target_mask"], element["turn_starts"]
+    )
+    pieces, _ = conversations.fit_pieces(conv, self.seq_len, self.overflow)
     out = []
     for piece in pieces:
       out += self.windows.flat_map({"tokens": piece.ids, "target_mask": piece.loss_mask})
@@ -150,7 +152,7 @@ def chat_overflow_counts(config, seq_len: int, split: str) -> dict[str, int]:
   """{'chat_conversations', 'chat_dropped', 'chat_split'} over one epoch of
   every chat source: conversations longer than a row that chat_overflow drops
   or splits at turns. Encodes every conversation once."""
-  from lctx.data import chat  # pylint: disable=g-import-not-at-top
+  from lctx.data import conversations  # pylint: disable=g-import-not-at-top
 
   counts = {"chat_conversations": 0, "chat_dropped": 0, "chat_split": 0}
   for spec in config.source_specs():
@@ -158,8 +160,8 @@ def chat_overflow_counts(config, seq_len: int, split: str) -> dict[str, int]:
       continue
     source = document_source(config, spec, split)
     for i in range(len(source)):
-      conv = chat.encode_stored(source[i], *chat_args(config, spec))
-      _, outcome = chat.fit_pieces(conv, seq_len, config.chat_overflow)
+      conv = conversations.encode_stored(source[i], *chat_args(config, spec))
+      _, outcome = conversations.fit_pieces(conv, seq_len, config.chat_overflow)
       counts["chat_conversations"] += 1
       if outcome != "fit":
         counts[f"chat_{outcome}"] += 1

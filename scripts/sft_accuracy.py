@@ -6,7 +6,7 @@ r"""Held-out answer accuracy of the CPU SFT recipe, before or after fine-tuning.
 A conversation counts as answered when every token of its last assistant turn
 (the value and the turn's end, <|im_end|> and newline) is the model's argmax
 given the conversation before it: greedy decoding would write exactly that
-answer. --before scores the run's starting parameters (TrainConfig.init_params_from,
+answer; answer_token_accuracy is the share of those tokens that are. --before scores the run's starting parameters (TrainConfig.init_params_from,
 else the random initialisation of TrainConfig.seed); otherwise the workdir's
 latest checkpoint. Prints one JSON line and writes it to
 <workdir>/sft_accuracy_{before,after}.json.
@@ -64,7 +64,7 @@ def main(argv):
   with open(FLAGS.heldout) as f:
     rows = [json.loads(line)["messages"] for line in f if line.strip()]
   seq, b = exp.train.seq_len, exp.train.batch_size
-  correct, total = 0, 0
+  correct, total, tokens_right, tokens = 0, 0, 0, 0
   for start in range(0, len(rows), b):
     group = rows[start : start + b]
     batch = {k: np.zeros((b, seq), np.int32) for k in ("inputs", "positions", "segment_ids")}
@@ -83,14 +83,18 @@ def main(argv):
       answers.append((r, ids, targets))
     predicted = logits_fn(batch).argmax(-1)  # [b, seq]
     for r, ids, targets in answers:
-      correct += all(predicted[r, j - 1] == ids[j] for j in targets)
+      right = [predicted[r, j - 1] == ids[j] for j in targets]
+      correct += all(right)
       total += 1
+      tokens_right += sum(right)
+      tokens += len(right)
   record = {
     "which": "before" if FLAGS.before else "after",
     "params": which,
     "heldout": FLAGS.heldout,
     "conversations": total,
     "answer_accuracy": correct / total,
+    "answer_token_accuracy": round(tokens_right / tokens, 4),
     "seconds": round(time.perf_counter() - t0, 1),
     "devices": jax.device_count(),
   }

@@ -215,7 +215,9 @@ def train_loop(
       tps = window_tokens / elapsed
       tflops = flops_per_token * tps / n_devices / 1e12
       record = {
+        # Summed over the step's loss-masked targets, divided by their count.
         "loss": float(metrics["loss"]),
+        "supervised_tokens": float(metrics["tokens"]),
         "grad_norm": float(metrics["grad_norm"]),
         "learning_rate": float(metrics["learning_rate"]),
         "tokens_per_sec": tps,
@@ -228,11 +230,12 @@ def train_loop(
       record.update({f"memory/{k}": v for k, v in metrics_lib.live_memory().items()})
       writer.write(step, record)
       logging.info(
-        "step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %.0f tok/s | "
-        "%.3f TFLOP/s/device | MFU %.1f%%",
+        "step %d/%d | loss %.4f per supervised token (%d) | grad_norm %.3f | lr %.2e | "
+        "%.0f tok/s | %.3f TFLOP/s/device | MFU %.1f%%",
         step,
         cfg.steps,
         record["loss"],
+        record["supervised_tokens"],
         record["grad_norm"],
         record["learning_rate"],
         tps,

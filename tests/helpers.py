@@ -125,3 +125,96 @@ TINY_GIN = [
   "TrainConfig.attention_block_q = 512",
   "TrainConfig.attention_block_kv = 512",
 ]
+
+
+# Chat templates as their models publish them (tests/fixtures/chat_templates), and
+# ChatML with and without `{% generation %}` markers.
+CHAT_TEMPLATE_DIR = os.path.join(ROOT, "tests", "fixtures", "chat_templates")
+CHATML = (
+  "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+  "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_GENERATION = (
+  "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+  "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}"
+  "{% endgeneration %}{% else %}{{ message['content'] }}{% endif %}"
+  "{{ '<|im_end|>' + '\\n' }}{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Each family's special tokens, BOS, EOS and template.
+CHAT_FAMILIES = {
+  "llama31": dict(
+    specials=[
+      "<|begin_of_text|>",
+      "<|end_of_text|>",
+      "<|start_header_id|>",
+      "<|end_header_id|>",
+      "<|eot_id|>",
+      "<|eom_id|>",
+      "<|python_tag|>",
+    ],
+    bos="<|begin_of_text|>",
+    eos="<|eot_id|>",
+    template="llama31_instruct.jinja",
+  ),
+  "qwen3": dict(
+    specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    added=["<think>", "</think>"],  # added, not special, as in Qwen3's tokenizer
+    bos=None,
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    template="qwen3.jinja",
+  ),
+  "chatml": dict(
+    specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    bos=None,
+    eos="<|im_end|>",
+    template=CHATML,
+  ),
+  "chatml_generation": dict(
+    specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    bos=None,
+    eos="<|im_end|>",
+    template=CHATML_GENERATION,
+  ),
+}
+
+
+def save_chat_tokenizer(path: str, family: str, vocab_size: int = 400) -> str:
+  """A byte-level BPE (trained here with the tokenizers library) with the special
+  tokens and chat template of CHAT_FAMILIES[family], saved by transformers under
+  `path` (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+
+  spec = CHAT_FAMILIES[family]
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  rng = np.random.default_rng(0)
+  words = ["alpha", "beta", "gamma", "the", "answer", "is", "key", "what", "document", "über"]
+  corpus = [" ".join(rng.choice(words, 12)) for _ in range(300)]
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=spec["specials"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(corpus, trainer)
+  if spec.get("added"):
+    tok.add_tokens([tokenizers.AddedToken(t, special=False) for t in spec["added"]])
+  template = spec["template"]
+  if template.endswith(".jinja"):
+    with open(os.path.join(CHAT_TEMPLATE_DIR, template), encoding="utf-8") as f:
+      template = f.read()
+  transformers.PreTrainedTokenizerFast(
+    tokenizer_object=tok,
+    bos_token=spec["bos"],
+    eos_token=spec["eos"],
+    pad_token=spec.get("pad"),
+    chat_template=template,
+  ).save_pretrained(path)
+  return path

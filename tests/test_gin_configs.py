@@ -11,6 +11,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 
 import gin
 import pytest
@@ -32,6 +34,7 @@ LOCAL = {
   "gin/local_cpu_retrieval.gin",
   "gin/local_cpu_retrieval_windowed.gin",
   "gin/local_cpu_extension.gin",
+  "gin/local_cpu_sft.gin",
 }
 # Stage files and the file whose checkpoint they start from (BASE_WORKDIR).
 STAGE_BASES = {"gin/local_cpu_extension.gin": "gin/local_cpu_retrieval.gin"}
@@ -55,6 +58,7 @@ SHRUNK_MESH = {
   "gin/ulysses_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/extend_llama31_8b_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/extend_llama31_8b_v5p_1m.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
+  "gin/sft_llama31_8b_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
 }
 
 
@@ -148,6 +152,25 @@ def test_local_config_trains_one_step(path, tmp_path):
     _train_one_step(STAGE_BASES[path], tmp_path / "base")
     params = [f"BASE_WORKDIR = '{tmp_path / 'base'}'"]
     tmp_path = tmp_path / "stage"
+  if path == "gin/local_cpu_sft.gin":  # its conversations, written by its own script
+    data = tmp_path / "sft_data"
+    subprocess.run(
+      [
+        sys.executable,
+        os.path.join(ROOT, "scripts/make_sft_data.py"),
+        f"--out={data}",
+        "--train=64",
+        "--heldout=4",
+      ],
+      check=True,
+      capture_output=True,
+    )
+    params = [
+      f"SFT_TRAIN = '{data / 'train.jsonl'}'",
+      f"SFT_TOKENIZER = '{data / 'tokenizer'}'",
+      f"DataConfig.data_dir = '{tmp_path / 'cache'}'",
+    ]
+    tmp_path = tmp_path / "run"
   exp = _train_one_step(path, tmp_path, params)
   with open(tmp_path / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]

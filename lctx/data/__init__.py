@@ -6,6 +6,7 @@ Public entry points (see each docstring):
   make_tokenizer_for, load_documents        tokenizer and held-out texts for evals
   register_task_source                      synthetic sources defined above data
   skipped_rows                              bad rows skipped (DataConfig.skip_bad_rows)
+  encode_chat, render_chat, ChatError       conversations through a chat template
   make_tokenizer, ByteTokenizer, SentencePieceTokenizer, HFTokenizer
   prepare_text_corpus, open_text_corpus, open_tfds   document sources
 
@@ -35,6 +36,9 @@ _EXPORTS = {
   "SourceSpec": "specs",
   "task_source_names": "pipeline",
   "inspect_data": "inspect",
+  "encode_chat": "chat",
+  "render_chat": "chat",
+  "ChatError": "chat",
 }
 __all__ = sorted(_EXPORTS)
 

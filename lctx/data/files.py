@@ -5,7 +5,9 @@ machine-independent order; the key is '<file>:<line>' (jsonl, 1-based lines)
 or '<file>:<row>' (parquet, 1-based rows). Bad input raises BadRowError, a
 ValueError that names the file and the line or row: a line that is not JSON,
 a row without the field (or with a null / non-text one), a truncated file.
-With `on_bad_row` given, the reader calls it with that error instead and goes
+Kind 'chat' reads .jsonl and .parquet files alike; each row becomes one
+conversation (lctx.data.conversations.row_to_bytes checks its messages, so an unknown
+role or a missing field names the row too). With `on_bad_row` given, the reader calls it with that error instead and goes
 on (for a truncated file: with the next file).
 """
 
@@ -18,8 +20,11 @@ from collections.abc import Callable, Iterator
 
 from lctx.data import corpus
 
-ROW_KINDS = ("jsonl", "parquet")
+ROW_KINDS = ("jsonl", "parquet", "chat")
 _EXTENSIONS = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",)}
+_EXTENSIONS["chat"] = _EXTENSIONS["jsonl"] + _EXTENSIONS["parquet"]
+# A whole row (dict) -> the document's bytes, or BadRowError (kind 'chat').
+Extract = Callable[[object, str], bytes]
 
 
 class BadRowError(ValueError):
@@ -53,7 +58,7 @@ def _as_bytes(value, where: str, field: str) -> bytes:
   raise BadRowError(where, f"field {field!r} is {kind}, not text.")
 
 
-def _jsonl_rows(path: str, field: str) -> Iterator[tuple[str, bytes]]:
+def _jsonl_rows(path: str, field: str, extract: Extract | None) -> Iterator[tuple[str, bytes]]:
   opener = gzip.open if path.endswith(".gz") else open
   line_no = 0
   try:
@@ -66,6 +71,12 @@ def _jsonl_rows(path: str, field: str) -> Iterator[tuple[str, bytes]]:
           row = json.loads(line)
         except ValueError as e:
           yield where, BadRowError(where, f"line {line_no} is not JSON ({e}).")
+          continue
+        if extract is not None:
+          try:
+            yield where, extract(row, where)
+          except BadRowError as e:
+            yield where, e
           continue
         if not isinstance(row, dict) or field not in row:
           keys = sorted(row)[:10] if isinstance(row, dict) else type(row).__name__
@@ -85,7 +96,7 @@ def _jsonl_rows(path: str, field: str) -> Iterator[tuple[str, bytes]]:
     )
 
 
-def _parquet_rows(path: str, field: str) -> Iterator[tuple[str, bytes]]:
+def _parquet_rows(path: str, field: str, extract: Extract | None) -> Iterator[tuple[str, bytes]]:
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  (only for parquet)
 
   try:
@@ -97,6 +108,9 @@ def _parquet_rows(path: str, field: str) -> Iterator[tuple[str, bytes]]:
         path, f"not a readable parquet file (truncated or corrupt: {type(e).__name__}: {e})."
       ),
     )
+    return
+  if extract is not None:
+    yield from _parquet_whole_rows(path, reader, extract)
     return
   if field not in reader.schema_arrow.names:
     yield (
@@ -124,18 +138,48 @@ def _parquet_rows(path: str, field: str) -> Iterator[tuple[str, bytes]]:
     )
 
 
+def _parquet_whole_rows(path: str, reader, extract: Extract) -> Iterator[tuple[str, bytes]]:
+  row = 0
+  try:
+    for group in range(reader.num_row_groups):
+      for value in reader.read_row_group(group).to_pylist():
+        row += 1
+        where = f"{path}:{row}"
+        try:
+          yield where, extract(value, where)
+        except BadRowError as e:
+          yield where, e
+  except Exception as e:  # pylint: disable=broad-except
+    where = f"{path}:{row + 1}"
+    yield (
+      where,
+      BadRowError(
+        where, f"cannot read past row {row} (truncated or corrupt: {type(e).__name__}: {e})."
+      ),
+    )
+
+
 def iter_rows(
   kind: str,
   pattern: str,
   field: str,
   on_bad_row: Callable[[BadRowError], None] | None = None,
 ) -> Iterator[tuple[str, bytes]]:
-  """(key, raw bytes) of every row of every file of `kind` matching `pattern`."""
+  """(key, raw bytes) of every row of every file of `kind` matching `pattern`.
+
+  For kind 'chat', `field` is the JSON of lctx.data.specs.chat_fields."""
   if kind not in ROW_KINDS:
     raise ValueError(f"row files are {ROW_KINDS}, not {kind!r}.")
-  read = _jsonl_rows if kind == "jsonl" else _parquet_rows
+  extract = None
+  if kind == "chat":
+    from lctx.data import conversations  # pylint: disable=g-import-not-at-top  (jinja2 lazily)
+
+    fields = json.loads(field)
+    extract = lambda row, where: conversations.row_to_bytes(row, where, fields)  # noqa: E731
   for path in list_files(kind, pattern):
-    for key, value in read(path, field):
+    parquet = path.endswith(_EXTENSIONS["parquet"])
+    read = _parquet_rows if parquet else _jsonl_rows
+    for key, value in read(path, field, extract):
       if isinstance(value, BadRowError):
         if on_bad_row is None:
           raise BadRowError(

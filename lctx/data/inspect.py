@@ -4,9 +4,13 @@ Besides the text report, `inspect_data(..., json_path=...)` writes the record
 (a contract, `<workdir>/inspect_data.json` in main.py):
 
     {"fill_ratio": float, "batches": int, "batch_size": int, "seq_len": int,
+     "chat_conversations": int, "chat_dropped": int, "chat_split": int,
      "sources": [{"name", "weight", "token_share", "documents", "tokens",
                   "long_document_token_share", "length_histogram"}, ...]}
 
+chat_*: over one epoch of the conversation ('chat') sources, how many there
+are and how many are longer than a row and DataConfig.chat_overflow dropped or
+split at turns (0 without chat sources).
 token_share: the source's share of the non-pad tokens read; documents: how
 many documents began in them; long_document_token_share: share of its tokens
 that sit in documents longer than one window (seq_len examples);
@@ -54,6 +58,12 @@ def document_lengths(
     if source is None:
       continue
     idx = np.linspace(0, len(source) - 1, min(max_docs, len(source))).astype(int)
+    if spec.kind == "chat":
+      from lctx.data import conversations  # pylint: disable=g-import-not-at-top
+
+      args = streams.chat_args(config, spec)
+      out[spec.label] = [len(conversations.encode_stored(source[int(i)], *args).ids) for i in idx]
+      continue
     out[spec.label] = [
       len(
         streams.encode_document(source[int(i)], tokenizer, config.add_bos, config.add_eos)["tokens"]
@@ -150,6 +160,13 @@ def inspect_data(
     lines.append(f"document_length[{kind}] (tokens, sample): {_percentiles(lengths)}")
   record = source_record(config, batches, seq_len)
   lines += source_table(record)
+  chats = streams.chat_overflow_counts(config, seq_len, split)
+  if chats["chat_conversations"]:
+    lines.append(
+      f"conversations: {chats['chat_conversations']} per epoch; longer than a row: "
+      f"{chats['chat_dropped']} dropped, {chats['chat_split']} split at turns "
+      f"(chat_overflow={config.chat_overflow!r})"
+    )
   inputs = batches[0]["inputs"][0]
   lines.append(f"row 0 start ({show_tokens} tokens; ‖[seg s @pos p] marks a segment start):")
   text = []
@@ -165,6 +182,7 @@ def inspect_data(
       batches=num_batches,
       batch_size=batch_size,
       seq_len=seq_len,
+      **chats,
       **record,
     )
     with open(json_path, "w") as f:

@@ -62,7 +62,9 @@ class DataConfig:
   text_glob), 'tfds' (catalogue dataset tfds_name/tfds_feature), 'copy'
   (synthetic copy task; needs no corpus) or a registered task. Or a dict
   {kind, path | name, field, weight, min_tokens, max_tokens, upsample,
-  max_windows_per_document} (lctx/data/specs.py): several files of one kind,
+  max_windows_per_document} (lctx/data/specs.py); kind 'chat' reads
+  conversations (prompt_field, completion_field, system_field, train_on,
+  chat_template; see docs/sft.md): several files of one kind,
   length filters and ProLong-style upsampling of long documents."""
   weights: tuple[float, ...] = ()
   """Share of TOKENS per source (normalised); () = each dict's 'weight', else
@@ -121,6 +123,13 @@ class DataConfig:
   and resumable. 0 = off (every document may be a full row)."""
   synthetic_ramp_start: int = 256
   """Length cap of the first synthetic documents (see synthetic_ramp_documents)."""
+  chat_overflow: str = "drop"
+  """A conversation ('chat' source) longer than a row (seq_len + 1 tokens):
+  'drop' it, or 'split_turns': cut it at message starts into pieces that each
+  fit a row (each its own segment, positions from 0; a piece with no
+  supervised token is left out; a single message longer than a row drops the
+  conversation). Counted in inspect_data.json as chat_dropped / chat_split.
+  Packing never cuts a conversation otherwise."""
 
   def __post_init__(self):
     if not self.sources:
@@ -154,6 +163,7 @@ class DataConfig:
       )
     if sum(spec.weight for spec in self.source_specs()) <= 0:
       raise ValueError(f"DataConfig.sources weights must have a positive sum: {labels}.")
+    self._check_chat()
     if self.packing not in ("first_fit", "concat_split"):
       raise ValueError(f"packing must be 'first_fit' or 'concat_split', got {self.packing!r}.")
     if self.continuation_positions not in ("absolute", "restart"):
@@ -168,6 +178,26 @@ class DataConfig:
         "synthetic_ramp_documents must be >= 0 and synthetic_ramp_start "
         f">= 1, got {self.synthetic_ramp_documents} and "
         f"{self.synthetic_ramp_start}."
+      )
+
+  def _check_chat(self):
+    if self.chat_overflow not in ("drop", "split_turns"):
+      raise ValueError(
+        f"DataConfig.chat_overflow must be 'drop' or 'split_turns', got {self.chat_overflow!r}."
+      )
+    chats = [spec.label for spec in self.source_specs() if spec.kind == "chat"]
+    if not chats:
+      return
+    if self.tokenizer != "hf" or not self.tokenizer_model_path:
+      raise ValueError(
+        f"chat sources {chats} need tokenizer='hf' and tokenizer_model_path (the directory "
+        "with tokenizer.json and the chat template); got tokenizer="
+        f"{self.tokenizer!r}, tokenizer_model_path={self.tokenizer_model_path!r}."
+      )
+    if self.packing != "first_fit":
+      raise ValueError(
+        f"chat sources {chats} need packing='first_fit': 'concat_split' cuts documents at "
+        "row ends, and a conversation is never cut (see chat_overflow)."
       )
 
   def _weight(self, index: int) -> float | None:
@@ -385,7 +415,7 @@ def load_documents(
   UTF-8 is decoded with U+FFFD. Returns None when the config has no corpus
   source (e.g. copy task only), so callers fall back to synthetic text.
   """
-  corpora = [spec for spec in config.source_specs() if spec.is_corpus]
+  corpora = [s for s in config.source_specs() if s.is_corpus and s.kind != "chat"]
   if not corpora:
     return None
   docs: list[str] = []
@@ -404,7 +434,7 @@ def skipped_rows(config: DataConfig, split: str = "train") -> dict[str, object]:
   ({} when no source skipped a row)."""
   total, first = 0, ""
   for spec in config.source_specs():
-    if spec.kind in ("jsonl", "parquet"):
+    if spec.kind in ("jsonl", "parquet", "chat"):
       source = streams.document_source(config, spec, split)
       total += source.skipped_rows
       first = first or source.first_skipped_row

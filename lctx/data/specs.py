@@ -15,6 +15,22 @@ kind: 'text' (a glob or directory of files), 'jsonl' (.jsonl / .jsonl.gz),
 synthetic task ('copy', registered tasks). Lengths count tokens of the
 pipeline's tokenizer, BOS/EOS included.
 
+A conversation source (kind 'chat', .jsonl / .jsonl.gz / .parquet files; see
+docs/sft.md) reads rows of messages or of prompt / completion pairs, renders
+them with the model's chat template (lctx/data/chat.py) and trains on the
+assistant turns:
+
+    {'kind': 'chat', 'path': '/data/sft/*.jsonl', 'field': 'messages', 'weight': 0.5}
+    {'kind': 'chat', 'path': '/data/qa.parquet', 'prompt_field': 'question',
+     'completion_field': 'answer', 'system_field': 'system'}
+
+system_field (default 'system'): a row's system prompt, prepended as a system
+turn when the row has it. train_on: 'assistant' (default) or 'all'.
+chat_template: instead of the model's template, another model directory's
+(e.g. the instruct model's, for a base checkpoint), a .jinja file or the text.
+Length filters and upsampling do not apply to conversations;
+DataConfig.chat_overflow says what happens to one longer than a row.
+
 upsample: pairs (length, factor); a document of L tokens appears factor times
 per epoch, the factor of the largest length <= L (1 below the first). A
 fractional factor is met on average: each document draws its extra copy from a
@@ -26,8 +42,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-FILE_KINDS = ("text", "jsonl", "parquet")
+FILE_KINDS = ("text", "jsonl", "parquet", "chat")
 CORPUS_KINDS = FILE_KINDS + ("tfds",)
+CHAT_KEYS = ("prompt_field", "completion_field", "system_field", "train_on", "chat_template")
 SPEC_KEYS = (
   "kind",
   "name",
@@ -39,7 +56,7 @@ SPEC_KEYS = (
   "max_tokens",
   "upsample",
   "max_windows_per_document",
-)
+) + CHAT_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +74,11 @@ class SourceSpec:
   max_tokens: int | None = None
   upsample: tuple[tuple[int, float], ...] = ()
   max_windows_per_document: int | None = None
+  prompt_field: str | None = None
+  completion_field: str | None = None
+  system_field: str | None = None
+  train_on: str | None = None
+  chat_template: str | None = None
 
   @property
   def label(self) -> str:
@@ -125,6 +147,11 @@ def parse_spec(entry, synthetic_kinds: tuple[str, ...], weight: float | None) ->
     raise ValueError(f"{where}: kind {kind!r} needs 'path' (a file, directory or glob).")
   if kind in ("jsonl", "parquet") and not spec.field:
     raise ValueError(f"{where}: kind {kind!r} needs 'field' (the column holding the text).")
+  if kind == "chat":
+    _check_chat(spec, where)
+  elif any(getattr(spec, key) is not None for key in CHAT_KEYS):
+    keys = [key for key in CHAT_KEYS if getattr(spec, key) is not None]
+    raise ValueError(f"{where}: {keys} apply only to kind 'chat'.")
   if kind == "tfds" and not (spec.name and spec.field):
     raise ValueError(f"{where}: kind 'tfds' needs 'name' (catalogue dataset) and 'field'.")
   if spec.weight < 0:
@@ -144,3 +171,33 @@ def parse_spec(entry, synthetic_kinds: tuple[str, ...], weight: float | None) ->
   if spec.upsample and not spec.is_corpus:
     raise ValueError(f"{where}: upsample needs a corpus source, not the synthetic {kind!r}.")
   return spec
+
+
+def _check_chat(spec: SourceSpec, where: str) -> None:
+  pair = (spec.prompt_field, spec.completion_field)
+  if bool(spec.field) == all(pair) or (any(pair) and not all(pair)):
+    raise ValueError(
+      f"{where}: kind 'chat' needs either 'field' (the column of messages) or both "
+      f"'prompt_field' and 'completion_field', got field={spec.field!r}, "
+      f"prompt_field={spec.prompt_field!r}, completion_field={spec.completion_field!r}."
+    )
+  if spec.train_on not in (None, "assistant", "all"):
+    raise ValueError(f"{where}: train_on must be 'assistant' or 'all', got {spec.train_on!r}.")
+  filters = ("min_tokens", "max_tokens", "max_windows_per_document")
+  used = [k for k in filters if getattr(spec, k) is not None] + (
+    ["upsample"] if spec.upsample else []
+  )
+  if used:
+    raise ValueError(
+      f"{where}: {used} do not apply to conversations (DataConfig.chat_overflow handles long ones)."
+    )
+
+
+def chat_fields(spec: SourceSpec) -> dict:
+  """The row fields of a chat spec: {'messages' | 'prompt', 'completion', 'system'}."""
+  return {
+    "messages": spec.field if not spec.prompt_field else None,
+    "prompt": spec.prompt_field,
+    "completion": spec.completion_field,
+    "system": spec.system_field or "system",
+  }

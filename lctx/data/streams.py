@@ -9,6 +9,7 @@ pure function of the seed, so every process can build it and resume it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import grain
@@ -17,7 +18,7 @@ import numpy as np
 from lctx.data import packing as packing_lib
 from lctx.data import sources as sources_lib
 from lctx.data import synthetic
-from lctx.data.specs import SourceSpec
+from lctx.data.specs import SourceSpec, chat_fields
 
 _SYNTHETIC_SIZE = 2**31 - 1  # documents per epoch of an (endless) synthetic source
 # Token lengths of whole corpus sources, per (source, tokenizer settings): a
@@ -41,8 +42,10 @@ def encode_document(raw: bytes, tokenizer, add_bos: bool, add_eos: bool) -> dict
 def document_source(config, spec: SourceSpec, split: str):
   """The random-access document source of a corpus spec (raw bytes per item),
   or None for the synthetic kinds, which are generated from indices."""
-  if spec.kind in ("text", "jsonl", "parquet"):
+  if spec.kind in ("text", "jsonl", "parquet", "chat"):
     options = {} if spec.kind == "text" else {"kind": spec.kind, "field": spec.field}
+    if spec.kind == "chat":
+      options["field"] = json.dumps(chat_fields(spec), sort_keys=True)
     if spec.kind != "text":
       options["skip_bad_rows"] = config.skip_bad_rows
     return sources_lib.open_text_corpus(
@@ -105,6 +108,66 @@ def _corpus_documents(config, spec, source, *, seed, tokenizer) -> grain.MapData
   return ds.map(lambda raw: encode_document(raw, tokenizer, config.add_bos, config.add_eos))
 
 
+def _chat_documents(config, spec, source, *, seed) -> grain.MapDataset:
+  """Conversations, shuffled per epoch, encoded with the model's chat template."""
+  from lctx.data import conversations  # pylint: disable=g-import-not-at-top  (jinja2 for chat)
+
+  spec_args = chat_args(config, spec)
+  ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(config.num_epochs)
+
+  def encode(raw):
+    conv = conversations.encode_stored(raw, *spec_args)
+    return {"tokens": conv.ids, "target_mask": conv.loss_mask, "turn_starts": conv.turn_starts}
+
+  return ds.map(encode)
+
+
+def chat_args(config, spec: SourceSpec) -> tuple:
+  return (config.tokenizer_model_path, spec.train_on or "assistant", spec.chat_template)
+
+
+class ChatWindows(grain.experimental.FlatMapTransform):
+  """An encoded conversation -> whole-conversation windows: one if it fits a
+  row, the pieces of DataConfig.chat_overflow if not (lctx.data.conversations.fit_pieces)."""
+
+  def __init__(self, seq_len: int, overflow: str, source_id: int | None = None):
+    self.seq_len, self.overflow = seq_len, overflow
+    self.windows = packing_lib.WindowDocument(seq_len, "restart", None, source_id)
+    self.max_fan_out = 1 << 20
+
+  def flat_map(self, element):
+    from lctx.data import conversations  # pylint: disable=g-import-not-at-top
+
+    conv = conversations.Conversation(
+      element["tokens"], element["target_mask"], element["turn_starts"]
+    )
+    pieces, _ = conversations.fit_pieces(conv, self.seq_len, self.overflow)
+    out = []
+    for piece in pieces:
+      out += self.windows.flat_map({"tokens": piece.ids, "target_mask": piece.loss_mask})
+    return out
+
+
+def chat_overflow_counts(config, seq_len: int, split: str) -> dict[str, int]:
+  """{'chat_conversations', 'chat_dropped', 'chat_split'} over one epoch of
+  every chat source: conversations longer than a row that chat_overflow drops
+  or splits at turns. Encodes every conversation once."""
+  from lctx.data import conversations  # pylint: disable=g-import-not-at-top
+
+  counts = {"chat_conversations": 0, "chat_dropped": 0, "chat_split": 0}
+  for spec in config.source_specs():
+    if spec.kind != "chat":
+      continue
+    source = document_source(config, spec, split)
+    for i in range(len(source)):
+      conv = conversations.encode_stored(source[i], *chat_args(config, spec))
+      _, outcome = conversations.fit_pieces(conv, seq_len, config.chat_overflow)
+      counts["chat_conversations"] += 1
+      if outcome != "fit":
+        counts[f"chat_{outcome}"] += 1
+  return counts
+
+
 def _synthetic_documents(
   config, spec, make_document: Callable, *, split, seq_len, seed, tokenizer
 ) -> grain.MapDataset:
@@ -158,7 +221,13 @@ def source_windows(
   make_document: the synthetic generator for a synthetic spec (None for a
   corpus). source_id: tag windows with their source for reports (see
   packing.WindowDocument)."""
-  if make_document is None:
+  if spec.kind == "chat":
+    from lctx.data import chat  # pylint: disable=g-import-not-at-top
+
+    chat.load_chat_model(config.tokenizer_model_path, spec.chat_template)  # fail early
+    source = document_source(config, spec, split)
+    ds = _chat_documents(config, spec, source, seed=seed)
+  elif make_document is None:
     source = document_source(config, spec, split)
     ds = _corpus_documents(config, spec, source, seed=seed, tokenizer=tokenizer)
   else:
@@ -168,12 +237,13 @@ def source_windows(
   it = ds.to_iter_dataset(
     grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=64)
   )
-  ds = grain.experimental.FlatMapIterDataset(
-    it,
-    packing_lib.WindowDocument(
+  if spec.kind == "chat":
+    windows = ChatWindows(seq_len, config.chat_overflow, source_id)
+  else:
+    windows = packing_lib.WindowDocument(
       seq_len, config.continuation_positions, spec.max_windows_per_document, source_id
-    ),
-  )
+    )
+  ds = grain.experimental.FlatMapIterDataset(it, windows)
   if config.window_shuffle_size > 1:
     # A long document yields many consecutive windows; without this they fill
     # whole batches by themselves. Checkpoint state stays small (grain refills

@@ -122,6 +122,12 @@ class SentencePieceTokenizer:
   def encode_array(self, text: str) -> np.ndarray:
     return np.asarray(self.encode(text), dtype=np.int32)
 
+  def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """encode's ids and each token's (start, end) characters in `text`."""
+    text = text.encode("utf-8", errors="replace").decode("utf-8")
+    out = self._tok.encode(text, add_special_tokens=False)
+    return list(out.ids), [tuple(o) for o in out.offsets]
+
   def decode(self, ids: Iterable[int]) -> str:
     arr = _in_range(ids, self.vocab_size)
     return self._sp.decode([int(i) for i in arr[~self._control[arr]]])
@@ -204,6 +210,12 @@ class HFTokenizer:
 
   def encode_array(self, text: str) -> np.ndarray:
     return np.asarray(self.encode(text), dtype=np.int32)
+
+  def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """encode's ids and each token's (start, end) characters in `text`."""
+    text = text.encode("utf-8", errors="replace").decode("utf-8")
+    out = self._tok.encode(text, add_special_tokens=False)
+    return list(out.ids), [tuple(o) for o in out.offsets]
 
   def decode(self, ids: Iterable[int]) -> str:
     arr = _in_range(ids, self.vocab_size)

@@ -17,16 +17,18 @@ import zlib
 from collections.abc import Callable, Iterator
 
 from lctx.data import corpus
+from lctx.errors import InputError
 
 ROW_KINDS = ("jsonl", "parquet")
 _EXTENSIONS = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",)}
 
 
-class BadRowError(ValueError):
-  """One bad row or file; `where` is 'file:line' or 'file'."""
+class BadRowError(InputError):
+  """One bad row or file; `where` is 'file:line' or 'file'. An InputError (a
+  ValueError): main.py prints it as one line and exits with status 2."""
 
   def __init__(self, where: str, what: str):
-    super().__init__(f"{where}: {what}")
+    super().__init__(f"{where}: {what}", fix="")
     self.where, self.what = where, what
 
 

@@ -31,7 +31,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lctx.errors import InputError
 from lctx.evals.scoring import LogitsFn, Scorer, score_answers
+
+_FIX = "Fix or remove that line, or drop the file from EvalConfig.task_files."
 
 
 def task_name(path: str) -> str:
@@ -40,36 +43,42 @@ def task_name(path: str) -> str:
 
 
 def read_task_file(path: str) -> list[dict]:
-  """The lines of one RULER jsonl file; ValueError naming the file and line."""
+  """The lines of one RULER jsonl file; InputError (a ValueError) naming the
+  file and line."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      texts = f.readlines()
+  except (OSError, UnicodeDecodeError) as err:
+    raise InputError(f"{path}: cannot read the task file ({err}).", _FIX) from None
   lines = []
-  with open(path, encoding="utf-8") as f:
-    for number, text in enumerate(f, 1):
-      if not text.strip():
-        continue
-      where = f"{path}, line {number}"
-      try:
-        obj = json.loads(text)
-      except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not a JSON object ({err.msg}).") from None
-      if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}.")
-      if not isinstance(obj.get("input"), str):
-        raise ValueError(f"{where}: 'input' must be a string; got {obj.get('input')!r:.80}.")
-      outputs = obj.get("outputs")
-      if (
-        not isinstance(outputs, list)
-        or not outputs
-        or not all(isinstance(o, str) and o for o in outputs)
-      ):
-        raise ValueError(
-          f"{where}: 'outputs' must be a non-empty list of non-empty strings; got {outputs!r:.80}."
-        )
-      for key, kind in (("length", int), ("index", int), ("answer_prefix", str)):
-        if key in obj and not isinstance(obj[key], kind):
-          raise ValueError(f"{where}: {key!r} must be {kind.__name__}; got {obj[key]!r:.80}.")
-      lines.append({**obj, "line": number})
+  for number, text in enumerate(texts, 1):
+    if not text.strip():
+      continue
+    where = f"{path}, line {number}"
+    try:
+      obj = json.loads(text)
+    except json.JSONDecodeError as err:
+      raise InputError(f"{where}: not a JSON object ({err.msg}).", _FIX) from None
+    if not isinstance(obj, dict):
+      raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}.", _FIX)
+    if not isinstance(obj.get("input"), str):
+      raise InputError(f"{where}: 'input' must be a string; got {obj.get('input')!r:.80}.", _FIX)
+    outputs = obj.get("outputs")
+    if (
+      not isinstance(outputs, list)
+      or not outputs
+      or not all(isinstance(o, str) and o for o in outputs)
+    ):
+      raise InputError(
+        f"{where}: 'outputs' must be a non-empty list of non-empty strings; got {outputs!r:.80}.",
+        _FIX,
+      )
+    for key, kind in (("length", int), ("index", int), ("answer_prefix", str)):
+      if key in obj and not isinstance(obj[key], kind):
+        raise InputError(f"{where}: {key!r} must be {kind.__name__}; got {obj[key]!r:.80}.", _FIX)
+    lines.append({**obj, "line": number})
   if not lines:
-    raise ValueError(f"{path}: no task lines.")
+    raise InputError(f"{path}: no task lines.", _FIX)
   return lines
 
 

@@ -94,8 +94,11 @@ def evaluate_loss(exp: Experiment, trainer: Trainer, state) -> dict[str, float]:
 
 
 def evaluate_retrieval(
-  exp: Experiment, trainer: Trainer, state, workdir: str, step: int
+  exp: Experiment, trainer: Trainer, state, workdir: str, step: int, generate: bool = True
 ) -> dict[str, float]:
+  """The retrieval evals; `generate` False skips the generation score
+  (EvalConfig.generation_tokens: decoding costs a forward per token), as the
+  evals during training do; the last step's and --mode=eval's run it."""
   if exp.evals is None:
     return {}
   from lctx import evals as evals_lib  # pylint: disable=g-import-not-at-top
@@ -112,6 +115,7 @@ def evaluate_retrieval(
     step=step,
     documents=documents,
     attention_windows=exp.model.layer_windows,
+    generate=generate,
   )
 
 
@@ -288,7 +292,7 @@ def train_loop(
       if exp.evals is not None and (
         last or (cfg.retrieval_eval_every and step % cfg.retrieval_eval_every == 0)
       ):
-        results = evaluate_retrieval(exp, trainer, state, workdir, step)
+        results = evaluate_retrieval(exp, trainer, state, workdir, step, generate=last)
         writer.write(step, results)
         logging.info("step %d | retrieval %s", step, _summary(results))
       if checkpointer.should_save(step, final=last):

@@ -122,6 +122,30 @@ def test_every_task_and_variant_matches_the_host_logits_path_under_ring_zigzag(t
   _assert_same(tmp_path, program, host)
 
 
+def test_ruler_prompts_and_greedy_decoding_match_the_host_logits_path_under_ring_zigzag(tmp_path):
+  """Text prompts of every shape (needles, a chain, cwe's own context) and
+  greedy decoding through the eval step's argmax: the same generations and
+  scores as decoding from the host's full logits."""
+  config = EvalConfig(
+    prompts="ruler",
+    tasks=("passkey", "niah_multivalue", "variable_tracking"),
+    lengths=(512,),
+    depths=(0.0, 1.0),
+    samples_per_cell=1,
+    batch_size=4,
+    length_multiple=16,
+    window=128,
+    held_out_haystack="none",
+    held_out_phrasing=False,
+    generation_tokens=4,
+  )
+  program, host = _both(_trainer("ring"), tmp_path, config, None)
+  assert "eval/effective_length" in program and "eval/passkey/gen" in program
+  rp = _records(tmp_path, "program")
+  assert all(len(r["generation"]) > 0 for r in rp)  # it decoded (bytes of a random model)
+  _assert_same(tmp_path, program, host)
+
+
 @pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "usp"])
 def test_other_strategies_match_the_host_logits_path(strategy, tmp_path):
   config = EvalConfig(

@@ -99,7 +99,8 @@ def render_prompt(user: str, answer_prefix: str, tokenizer, chat: bool = False) 
   model's turn.
 
   Plain text (user + answer_prefix) unless `chat` and the tokenizer's directory
-  has a chat template (tokenizer_config.json `chat_template`); a chat model's
+  has a chat template (tokenizer_config.json `chat_template`, or
+  chat_template.jinja); a chat model's
   prompt is rendered by lctx.data.chat (the SFT conversation code), which this
   tree does not have yet, so that case is a ConfigError, never a second renderer.
   """
@@ -116,6 +117,8 @@ def _chat_template(tokenizer) -> bool:
   path = getattr(tokenizer, "model_path", None)
   if not path:
     return False
+  if os.path.isfile(os.path.join(os.path.dirname(path), "chat_template.jinja")):
+    return True
   config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
   try:
     with open(config, encoding="utf-8") as f:

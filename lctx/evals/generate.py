@@ -129,6 +129,7 @@ def generation_scores(
     {
       "generation_score": ruler.example_score(text, r, getattr(ex, "metric", "all")),
       "generation": text,
+      "tokens": int(ids.size),
     }
-    for ex, r, (_, text) in zip(examples, refs, decoded)
+    for ex, r, (ids, text) in zip(examples, refs, decoded)
   ]

@@ -37,6 +37,7 @@ needle-removed control.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -137,7 +138,9 @@ def run_grid(
     flat = [ex for _, exs in cells for ex in exs]
     if not flat:
       continue
+    t0 = time.perf_counter()
     scores = score_answers(logits_fn, flat, batch_size=batch_size, length_multiple=length_multiple)
+    tf_seconds = time.perf_counter() - t0
     main_idx = [i for i, ex in enumerate(flat) if not ex.needle_removed]
     use_window = window is not None and 0 < window < length
     # The window must hold the question tail and the whole answer (+1 token).
@@ -155,8 +158,9 @@ def run_grid(
         length_multiple=length_multiple,
       )
       win_scores = dict(zip(main_idx, ws))
-    gen = []
+    gen, gen_seconds = [], 0.0
     if generate_tokens > 0:
+      t0 = time.perf_counter()
       gen = generation_scores(
         logits_fn,
         flat,
@@ -166,6 +170,7 @@ def run_grid(
         length_multiple=length_multiple,
         width=round_up(length, max(1, length_multiple)),
       )
+      gen_seconds = time.perf_counter() - t0
     pos = 0
     for template, exs in cells:
       sc = scores[pos : pos + len(exs)]
@@ -186,6 +191,10 @@ def run_grid(
             np.mean([(s["exact"] == 1.0) != (x["generation_score"] == 1.0) for s, x in zip(sc, g)])
           ),
           generation=g[0]["generation"][:200],
+          # this length's wall time: all its cells' teacher-forced scoring, and decoding
+          length_tf_seconds=tf_seconds,
+          length_generation_seconds=gen_seconds,
+          generated_tokens=int(sum(x["tokens"] for x in g)),
         )
       if use_window and pos in win_scores:
         wsc = [win_scores[pos + k] for k in range(len(exs))]
@@ -298,6 +307,12 @@ def grid_metrics(records: Sequence[dict], prefix: str = "eval") -> dict[str, flo
   if scored:  # weighted by examples
     n = sum(r["n"] for r in scored)
     out[f"{prefix}/generation/disagree"] = sum(r["disagree"] * r["n"] for r in scored) / n
+  timed = {r["length"]: r for r in records if "length_generation_seconds" in r}
+  if timed:  # what decoding cost against the one-forward teacher-forced score
+    out[f"{prefix}/generation/seconds"] = sum(
+      r["length_generation_seconds"] for r in timed.values()
+    )
+    out[f"{prefix}/generation/tf_seconds"] = sum(r["length_tf_seconds"] for r in timed.values())
   eff, by_length = effective_length(records)
   if by_length:
     out[f"{prefix}/effective_length"] = float(eff)

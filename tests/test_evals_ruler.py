@@ -326,3 +326,18 @@ def test_chat_prompts_fall_back_to_plain_text_without_a_template(tmp_path):
   assert render_prompt("Q?", " A:", tok, chat=False) == "Q? A:"
   with pytest.raises(ConfigError, match="lctx.data.chat"):
     render_prompt("Q?", " A:", tok, chat=True)
+
+
+def test_task_files_get_rulers_metric_by_name(tmp_path):
+  """A file named qa_* is scored with string_match_part, any other with _all."""
+  from lctx.evals.task_files import run_task_files
+
+  line = {"input": "Q: which city? The answer is Paris. Answer:", "outputs": ["Paris", "Lyon"]}
+  line["answer_prefix"] = " The answer is"
+  paths = []
+  for name in ("qa_city.jsonl", "city.jsonl"):
+    (tmp_path / name).write_text(json.dumps(line) + "\n")
+    paths.append(str(tmp_path / name))
+  qa, other = run_task_files(induction_fn, TOK, paths, batch_size=2, generate_tokens=8)
+  assert (qa["generation_score"], other["generation_score"]) == (1.0, 0.5)
+  assert qa["accuracy"] == other["accuracy"] == 0.5  # " Paris" is teacher-forced, " Lyon" not

@@ -5,8 +5,15 @@ a strategy that does not fit the mesh, hardware the file is not for. main.py pri
 it as one line, `error: <what is wrong> <how to fix it>`, and exits with status 2.
 Validation code raises it (it is a ValueError, so callers that catch ValueError
 still do); `config_phase` turns what gin and the config dataclasses raise while a
-run's configuration is read into one. Every other exception is a bug and keeps
-its traceback, as do these with `--verbose_errors` or LCTX_VERBOSE_ERRORS=1.
+run's configuration is read into one.
+
+An `InputError` is bad input met while the run works: a data row
+(lctx/data/files.py BadRowError), a task file line (lctx/evals/task_files.py), a
+conversation row. It names the file and line, prints the same one line, exits
+with the same status, and a training run that meets one first writes a
+checkpoint at the step reached (lctx/train.py). Every other exception is a bug
+and keeps its traceback, as do these with `--verbose_errors` or
+LCTX_VERBOSE_ERRORS=1.
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ class ConfigError(ValueError):
     self.fix = fix
 
 
+class InputError(ConfigError):
+  """Bad input data met at run time (a row or line of a file, named with its line)."""
+
+
 @contextlib.contextmanager
 def config_phase():
   """Errors raised while a run's configuration is read are ConfigErrors.
@@ -57,8 +68,9 @@ def config_phase():
 def one_line(err: BaseException) -> str:
   """`error: <cause> <fix>` on one line."""
   text = " ".join(str(err).split())
-  fix = getattr(err, "fix", None) or _DEFAULT_FIX
-  return f"error: {text} {fix}"
+  fix = getattr(err, "fix", None)
+  fix = _DEFAULT_FIX if fix is None else fix  # "" : the message says it already
+  return f"error: {text} {fix}".rstrip()
 
 
 def verbose(flag: bool = False) -> bool:

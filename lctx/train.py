@@ -26,7 +26,7 @@ from absl import logging
 
 from lctx import checkpoint as ckpt_lib
 from lctx import data as data_lib
-from lctx import init_from, models
+from lctx import errors, init_from, models
 from lctx import metrics as metrics_lib
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
@@ -86,8 +86,11 @@ def evaluate_loss(exp: Experiment, trainer: Trainer, state) -> dict[str, float]:
 
 
 def evaluate_retrieval(
-  exp: Experiment, trainer: Trainer, state, workdir: str, step: int
+  exp: Experiment, trainer: Trainer, state, workdir: str, step: int, generate: bool = True
 ) -> dict[str, float]:
+  """The retrieval evals; `generate` False skips the generation score
+  (EvalConfig.generation_tokens: decoding costs a forward per token), as the
+  evals during training do; the last step's and --mode=eval's run it."""
   if exp.evals is None:
     return {}
   from lctx import evals as evals_lib  # pylint: disable=g-import-not-at-top
@@ -104,6 +107,7 @@ def evaluate_retrieval(
     step=step,
     documents=documents,
     attention_windows=exp.model.layer_windows,
+    generate=generate,
   )
 
 
@@ -153,6 +157,26 @@ class _SkippedSteps:
         )
 
 
+def checkpoint_before_input_error(
+  err: errors.InputError, exp: Experiment, checkpointer, step: int, state, train_iter
+) -> None:
+  """Bad input met mid-training (a data row, a task file line): writes a
+  checkpoint at the step reached, unless one exists or nothing was trained, and
+  adds where it is to the error's one line; the caller re-raises."""
+  checkpointer.wait()
+  have = checkpointer.latest_step()
+  if step > 0 and have != step:
+    try:
+      data_state = train_iter.get_state()
+    except Exception:  # pylint: disable=broad-except  (the iterator may be what failed)
+      data_state = None
+    checkpointer.save(step, state, data_state, ckpt_lib.experiment_meta(exp), wait=True)
+    have = step
+  if have is not None:
+    where = f"The run stopped at step {step}; the checkpoint at step {have} is in {checkpointer.directory}."
+    err.args = (f"{err.args[0] if err.args else err} {where}",) + tuple(err.args[1:])
+
+
 def train_loop(
   exp: Experiment,
   trainer: Trainer,
@@ -191,85 +215,89 @@ def train_loop(
   )
   window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
   metrics = None
-  while step < cfg.steps:
-    host_batch = next(train_iter)
-    # Useful tokens: non-pad positions, counted on the host (no device sync).
-    window_tokens += float(np.count_nonzero(host_batch["segment_ids"])) * (jax.process_count())
-    if profiler is not None:
-      profiler.before_step(step)
-    state, metrics = trainer.train_step(state, trainer.device_batch(host_batch))
-    step += 1
-    window_steps += 1
-    last = step == cfg.steps
-    skipped.add(step, metrics["skipped"])
-    # Every process gets the same answer at the same step.
-    preempted = preemption is not None and preemption.reached(step)
-    # Skipped steps are counted (and may stop the run) before anything is saved.
-    skipped.resolve(everything=preempted or checkpointer.should_save(step, final=last))
-    if profiler is not None:
-      profiler.after_step(step, state)
-    if step % cfg.log_every == 0 or last or preempted:
-      metrics = jax.device_get(metrics)
-      skipped.resolve(everything=True)
-      elapsed = time.perf_counter() - t_window
-      tps = window_tokens / elapsed
-      tflops = flops_per_token * tps / n_devices / 1e12
-      record = {
-        # Summed over the step's loss-masked targets, divided by their count.
-        "loss": float(metrics["loss"]),
-        "supervised_tokens": float(metrics["tokens"]),
-        "grad_norm": float(metrics["grad_norm"]),
-        "learning_rate": float(metrics["learning_rate"]),
-        "tokens_per_sec": tps,
-        "tflops_per_device": tflops,
-        "mfu": tflops * 1e12 / peak if peak else 0.0,
-        "step_time_s": elapsed / window_steps,
-        "skipped_steps": skipped.total,
-      }
-      record.update({f"memory/{k}": v for k, v in memory.items()})
-      record.update({f"memory/{k}": v for k, v in metrics_lib.live_memory().items()})
-      writer.write(step, record)
-      logging.info(
-        "step %d/%d | loss %.4f per supervised token (%d) | grad_norm %.3f | lr %.2e | "
-        "%.0f tok/s | %.3f TFLOP/s/device | MFU %.1f%%",
-        step,
-        cfg.steps,
-        record["loss"],
-        record["supervised_tokens"],
-        record["grad_norm"],
-        record["learning_rate"],
-        tps,
-        tflops,
-        100 * record["mfu"],
-      )
-      window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
-    if preempted:
-      checkpointer.save(
-        step, state, train_iter.get_state(), ckpt_lib.experiment_meta(exp), wait=True
-      )
-      logging.warning(
-        "Preempted: stopped at step %d of %d with a checkpoint in %s; run again to resume.",
-        step,
-        cfg.steps,
-        checkpointer.directory,
-      )
-      preemption.stopped_at = step
-      return state, False
-    # Held-out loss every eval_every steps and at the end; retrieval evals
-    # every retrieval_eval_every steps and at the end, when configured.
-    if cfg.eval_every and (step % cfg.eval_every == 0 or last):
-      ev = evaluate_loss(exp, trainer, state)
-      writer.write(step, ev)
-      logging.info("step %d | eval loss %.4f", step, ev["eval/loss"])
-    if exp.evals is not None and (
-      last or (cfg.retrieval_eval_every and step % cfg.retrieval_eval_every == 0)
-    ):
-      results = evaluate_retrieval(exp, trainer, state, workdir, step)
-      writer.write(step, results)
-      logging.info("step %d | retrieval %s", step, _summary(results))
-    if checkpointer.should_save(step, final=last):
-      checkpointer.save(step, state, train_iter.get_state(), ckpt_lib.experiment_meta(exp))
-      t_window = time.perf_counter()  # do not bill the save to throughput
+  try:
+    while step < cfg.steps:
+      host_batch = next(train_iter)
+      # Useful tokens: non-pad positions, counted on the host (no device sync).
+      window_tokens += float(np.count_nonzero(host_batch["segment_ids"])) * (jax.process_count())
+      if profiler is not None:
+        profiler.before_step(step)
+      state, metrics = trainer.train_step(state, trainer.device_batch(host_batch))
+      step += 1
+      window_steps += 1
+      last = step == cfg.steps
+      skipped.add(step, metrics["skipped"])
+      # Every process gets the same answer at the same step.
+      preempted = preemption is not None and preemption.reached(step)
+      # Skipped steps are counted (and may stop the run) before anything is saved.
+      skipped.resolve(everything=preempted or checkpointer.should_save(step, final=last))
+      if profiler is not None:
+        profiler.after_step(step, state)
+      if step % cfg.log_every == 0 or last or preempted:
+        metrics = jax.device_get(metrics)
+        skipped.resolve(everything=True)
+        elapsed = time.perf_counter() - t_window
+        tps = window_tokens / elapsed
+        tflops = flops_per_token * tps / n_devices / 1e12
+        record = {
+          # Summed over the step's loss-masked targets, divided by their count.
+          "loss": float(metrics["loss"]),
+          "supervised_tokens": float(metrics["tokens"]),
+          "grad_norm": float(metrics["grad_norm"]),
+          "learning_rate": float(metrics["learning_rate"]),
+          "tokens_per_sec": tps,
+          "tflops_per_device": tflops,
+          "mfu": tflops * 1e12 / peak if peak else 0.0,
+          "step_time_s": elapsed / window_steps,
+          "skipped_steps": skipped.total,
+        }
+        record.update({f"memory/{k}": v for k, v in memory.items()})
+        record.update({f"memory/{k}": v for k, v in metrics_lib.live_memory().items()})
+        writer.write(step, record)
+        logging.info(
+          "step %d/%d | loss %.4f per supervised token (%d) | grad_norm %.3f | lr %.2e | "
+          "%.0f tok/s | %.3f TFLOP/s/device | MFU %.1f%%",
+          step,
+          cfg.steps,
+          record["loss"],
+          record["supervised_tokens"],
+          record["grad_norm"],
+          record["learning_rate"],
+          tps,
+          tflops,
+          100 * record["mfu"],
+        )
+        window_tokens, window_steps, t_window = 0.0, 0, time.perf_counter()
+      if preempted:
+        checkpointer.save(
+          step, state, train_iter.get_state(), ckpt_lib.experiment_meta(exp), wait=True
+        )
+        logging.warning(
+          "Preempted: stopped at step %d of %d with a checkpoint in %s; run again to resume.",
+          step,
+          cfg.steps,
+          checkpointer.directory,
+        )
+        preemption.stopped_at = step
+        return state, False
+      # Held-out loss every eval_every steps and at the end; retrieval evals
+      # every retrieval_eval_every steps and at the end, when configured.
+      if cfg.eval_every and (step % cfg.eval_every == 0 or last):
+        ev = evaluate_loss(exp, trainer, state)
+        writer.write(step, ev)
+        logging.info("step %d | eval loss %.4f", step, ev["eval/loss"])
+      if exp.evals is not None and (
+        last or (cfg.retrieval_eval_every and step % cfg.retrieval_eval_every == 0)
+      ):
+        results = evaluate_retrieval(exp, trainer, state, workdir, step, generate=last)
+        writer.write(step, results)
+        logging.info("step %d | retrieval %s", step, _summary(results))
+      if checkpointer.should_save(step, final=last):
+        checkpointer.save(step, state, train_iter.get_state(), ckpt_lib.experiment_meta(exp))
+        t_window = time.perf_counter()  # do not bill the save to throughput
+  except errors.InputError as err:
+    checkpoint_before_input_error(err, exp, checkpointer, step, state, train_iter)
+    raise
   # The last step ran the held-out loss (if eval_every) and the retrieval
   # evals (if configured); train_and_eval need not repeat them.
   return state, bool(cfg.eval_every) or exp.evals is not None

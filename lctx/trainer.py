@@ -228,7 +228,8 @@ class Trainer:
 
     batch (device order): inputs, positions, segment_ids, targets, bucket int32
     [B, T]; score_index int32 [B, K] (device-order positions). Returns logp
-    float32 [B, K], correct bool [B, K] at score_index and bucket_loss float32
+    float32 [B, K], correct bool [B, K], argmax int32 [B, K] (the greedy next
+    token, for decoding) at score_index and bucket_loss float32
     [B, SCORE_BUCKETS] (sum of -logp per bucket id). The answer positions'
     hidden states are gathered first ([B, K, D]) and only they meet the whole
     unembedding; with `buckets` (per-position loss) every token's logp is
@@ -248,7 +249,9 @@ class Trainer:
     h_k = loss.gather_positions(self.mesh, hidden, index)  # [B, K, D]
     t_k = loss.gather_positions(self.mesh, batch["targets"][:, :, None], index)[:, :, 0]  # [B, K]
     chunk = self.cfg.loss_chunk_size or SCORE_CHUNK_TOKENS
-    logp, correct = chunked_token_scores(h_k, unembed, t_k, chunk_size=chunk, prologue=final_norm)
+    logp, correct, top = chunked_token_scores(
+      h_k, unembed, t_k, chunk_size=chunk, prologue=final_norm, return_argmax=True
+    )
     b = index.shape[0]
     bucket_loss = jnp.zeros((b, SCORE_BUCKETS), jnp.float32)
     if buckets:
@@ -260,7 +263,7 @@ class Trainer:
         [jnp.sum(jnp.where(bucket == k, -every, 0.0), axis=1) for k in range(SCORE_BUCKETS)],
         axis=1,
       )
-    return {"logp": logp, "correct": correct, "bucket_loss": bucket_loss}
+    return {"logp": logp, "correct": correct, "argmax": top, "bucket_loss": bucket_loss}
 
   def _score_jit(self, buckets: bool):
     if buckets not in self._score_steps:

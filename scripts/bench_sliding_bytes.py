@@ -49,7 +49,7 @@ def main(_):
   import gin  # pylint: disable=g-import-not-at-top
 
   from lctx import configs, gin_utils  # pylint: disable=g-import-not-at-top
-  from lctx.sizing import tpu as compile_lib  # pylint: disable=g-import-not-at-top
+  from lctx.sizing import compile as compile_lib  # pylint: disable=g-import-not-at-top
 
   rows = {}
   for kind in ("full_attention", "sliding_attention"):

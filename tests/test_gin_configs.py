@@ -36,6 +36,9 @@ LOCAL = {
   "gin/local_cpu_extension.gin",
   "gin/local_cpu_sft.gin",
 }
+# Files that import an HF checkpoint (the macro HF_CHECKPOINT): built and run here
+# on a tiny Llama with a tiny tokenizer.json.
+PRETRAINED = {"gin/local_cpu_pretrained.gin"}
 # Stage files and the file whose checkpoint they start from (BASE_WORKDIR).
 STAGE_BASES = {"gin/local_cpu_extension.gin": "gin/local_cpu_retrieval.gin"}
 # Mesh shrunk to 8 devices, keeping every axis the strategy uses above 1.
@@ -62,6 +65,37 @@ SHRUNK_MESH = {
 }
 
 
+def tiny_hf_dir(path) -> str:
+  """A random tiny Llama and a byte-level BPE tokenizer.json (vocab within the
+  model's) in one HF directory."""
+  import helpers  # pylint: disable=g-import-not-at-top
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    return str(path)
+  helpers.save_tiny_llama(str(path))
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=helpers.TINY_LLAMA["vocab_size"] - 8,
+    special_tokens=["<s>", "</s>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(["The grass is green. The sky is blue. The pass key is"] * 20, trainer)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  return tiny_hf_dir(tmp_path_factory.mktemp("tiny_hf"))
+
+
 def _build(path, params=()):
   gin.clear_config()
   gin_utils.parse([path], list(params), [ROOT])
@@ -71,8 +105,8 @@ def _build(path, params=()):
 
 
 def test_every_experiment_is_covered():
-  assert set(EXPERIMENTS) <= LOCAL | set(SHRUNK_MESH), (
-    "a new gin file needs a row in LOCAL or SHRUNK_MESH"
+  assert set(EXPERIMENTS) <= LOCAL | PRETRAINED | set(SHRUNK_MESH), (
+    "a new gin file needs a row in LOCAL, PRETRAINED or SHRUNK_MESH"
   )
   for path in EXPERIMENTS:
     with open(os.path.join(ROOT, path)) as f:
@@ -85,13 +119,14 @@ _TOKENS_LINE = re.compile(r"# Tokens per step: batch ([\d,]+) x seq ([\d,]+)(?: 
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS)
-def test_header_tokens_per_step_are_the_configs(path):
+def test_header_tokens_per_step_are_the_configs(path, tmp_path):
   """The header's "batch B x seq S = N" is the file's own TrainConfig (and B x S = N)."""
   with open(os.path.join(ROOT, path)) as f:
     match = _TOKENS_LINE.search(f.read(2000))
   assert match, f"{path}: no '# Tokens per step: batch B x seq S' line"
   batch, seq, total = (int(g.replace(",", "")) if g else None for g in match.groups())
-  exp = _build(path)
+  params = [f"HF_CHECKPOINT = '{tiny_hf_dir(tmp_path)}'"] if path in PRETRAINED else []
+  exp = _build(path, params)
   assert (batch, seq) == (exp.train.batch_size, exp.train.seq_len), path
   if total is not None:
     assert total == batch * seq, path
@@ -182,6 +217,37 @@ def test_local_config_trains_one_step(path, tmp_path):
   assert math.isfinite(train[0]["grad_norm"]) and train[0]["grad_norm"] > 0
   assert train[0]["tokens_per_sec"] > 0 and train[0]["learning_rate"] >= 0
   assert os.path.isdir(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("path", sorted(PRETRAINED))
+def test_pretrained_config_scores_a_checkpoint_both_ways(path, hf_dir, tmp_path):
+  """--mode=eval of the file on a tiny HF checkpoint: its shapes from config.json
+  (no model file included), its tokenizer.json, ring with zigzag on 8 devices,
+  RULER prompts scored teacher-forced and by greedy decoding, the effective
+  length written."""
+  exp = _build(
+    path,
+    [
+      f"HF_CHECKPOINT = '{hf_dir}'",
+      "TrainConfig.seq_len = 256",
+      "EvalConfig.lengths = (512, 640)",
+      "EvalConfig.depths = (0.5,)",
+      "EvalConfig.samples_per_cell = 1",
+      "EvalConfig.generation_tokens = 2",
+    ],
+  )
+  assert exp.model.vocab_size == 288 and exp.model.num_layers == 2  # from config.json
+  assert exp.train.context_parallel_strategy == "ring" and exp.mesh.context == 8
+  train_lib.run("eval", str(tmp_path), exp)
+  with open(tmp_path / "evals" / "retrieval.json") as f:
+    records = json.load(f)
+  assert {(r["task"], r["length"]) for r in records} == {
+    (t, n) for t in exp.evals.tasks for n in (512, 640)
+  }
+  assert all("accuracy" in r and "generation_score" in r for r in records)
+  with open(tmp_path / "evals" / "metrics.json") as f:
+    assert json.load(f)["eval/effective_length"] in (0.0, 512.0, 640.0)
+  assert "effective length" in (tmp_path / "evals" / "summary.md").read_text()
 
 
 def test_model_size_files_are_the_published_sizes():

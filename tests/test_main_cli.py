@@ -163,3 +163,58 @@ def test_only_input_errors_become_one_line():
   assert issubclass(errors.ConfigError, ValueError)  # callers catching ValueError still do
   line = errors.one_line(errors.ConfigError("two\nlines", fix="Do this."))
   assert line == "error: two lines Do this."
+
+
+# Run-time bad input: one line, status 2, no traceback, like a config error.
+_SHORT_RUN = [
+  "--gin_file=gin/local_cpu.gin",
+  "--gin_param=TrainConfig.seq_len = 256",
+  "--gin_param=TrainConfig.log_every = 1",
+  "--gin_param=TrainConfig.eval_every = 0",
+  "--gin_param=TrainConfig.checkpoint_every = 0",
+]
+
+
+def _one_error_line(proc, cause):
+  assert proc.returncode == errors.EXIT_STATUS, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+  assert cause in line, line
+  return line
+
+
+def test_bad_jsonl_row_is_one_line(tmp_path):
+  rows = tmp_path / "rows.jsonl"
+  good = json.dumps({"text": "a row of text " * 20})
+  rows.write_text("\n".join([good, good, "{not json", good]) + "\n")
+  source = f"{{'kind': 'jsonl', 'path': '{rows}', 'field': 'text'}}"
+  proc = _main(
+    *_SHORT_RUN,
+    f"--workdir={tmp_path / 'run'}",
+    "--gin_param=TrainConfig.steps = 1",
+    f"--gin_param=DataConfig.sources = ({source},)",
+    "--gin_param=DataConfig.weights = (1.0,)",
+    f"--gin_param=DataConfig.data_dir = '{tmp_path / 'cache'}'",
+    "--gin_param=experiment.evals = None",
+  )
+  line = _one_error_line(proc, "rows.jsonl:3: line 3 is not JSON")
+  assert "skip_bad_rows" in line
+
+
+def test_bad_task_file_mid_training_checkpoints_first(tmp_path):
+  """The task file is read at the step-1 retrieval eval: the run writes a
+  checkpoint at step 1, then stops with the file's line in one error line."""
+  task = tmp_path / "qa_bad.jsonl"
+  task.write_text(json.dumps({"input": "Q?", "outputs": ["A"]}) + "\n" + '{"input": 3}\n')
+  work = tmp_path / "run"
+  proc = _main(
+    *_SHORT_RUN,
+    f"--workdir={work}",
+    "--gin_param=TrainConfig.steps = 3",
+    "--gin_param=TrainConfig.retrieval_eval_every = 1",
+    "--gin_param=EvalConfig.tasks = ()",
+    f"--gin_param=EvalConfig.task_files = ('{task}',)",
+  )
+  line = _one_error_line(proc, "qa_bad.jsonl, line 2: 'input' must be a string")
+  assert "stopped at step 1; the checkpoint at step 1" in line
+  assert sorted(os.listdir(work / "checkpoints")) == ["1"]

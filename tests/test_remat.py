@@ -362,11 +362,12 @@ def test_kept_attention_outputs_are_not_recomputed(strategy, kept):
 
   from lctx.parallel import mesh as mesh_lib
   from lctx.sizing import hlo_flops
-  from lctx.sizing import tpu as compile_lib
+  from lctx.sizing import compile as compile_lib
+  from lctx.sizing import tpu as tpu_lib
   from lctx.trainer import TrainConfig, Trainer
 
   try:
-    devices = compile_lib.topology_devices("v5p:2x2x1")
+    devices = tpu_lib.topology_devices("v5p:2x2x1")
   except RuntimeError as err:  # libtpu missing
     pytest.skip(str(err))
   small = dataclasses.replace(

@@ -19,6 +19,7 @@ import zlib
 from collections.abc import Callable, Iterator
 
 from lctx.data import corpus
+from lctx.errors import InputError
 
 ROW_KINDS = ("jsonl", "parquet", "chat")
 _EXTENSIONS = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",)}
@@ -27,11 +28,12 @@ _EXTENSIONS["chat"] = _EXTENSIONS["jsonl"] + _EXTENSIONS["parquet"]
 Extract = Callable[[object, str], bytes]
 
 
-class BadRowError(ValueError):
-  """One bad row or file; `where` is 'file:line' or 'file'."""
+class BadRowError(InputError):
+  """One bad row or file; `where` is 'file:line' or 'file'. An InputError (a
+  ValueError): main.py prints it as one line and exits with status 2."""
 
   def __init__(self, where: str, what: str):
-    super().__init__(f"{where}: {what}")
+    super().__init__(f"{where}: {what}", fix="")
     self.where, self.what = where, what
 
 

@@ -6,13 +6,15 @@ Entry point for the train loop and `--mode=eval`:
                                    workdir=workdir, step=step, documents=docs)
 
 Pieces: `tasks` (synthetic examples, exact depth, seeds, training rows),
+`ruler` and `prompts` (RULER's tasks, templates and metrics; prompts as text),
+`generate` (greedy decoding, the generation score),
 `haystack` (fillers), `scoring` (teacher-forced exact match == greedy),
 `grid` (tasks x lengths x depths, controls), `context_use` (loss by position,
 context ablation, key tokens), `plots` (PNGs, markdown), `runner`.
 """
 
 from lctx.evals.context_use import context_use
-from lctx.evals.grid import grid_metrics, run_grid
+from lctx.evals.grid import effective_length, grid_metrics, run_grid
 from lctx.evals.haystack import HAYSTACK_KINDS, Haystack, make_haystack
 from lctx.evals.runner import EvalConfig, run_evals
 from lctx.evals.scoring import make_batch, score_answers, token_scores
@@ -39,6 +41,7 @@ __all__ = [
   "context_use",
   "depth_offset",
   "draw_training_seed",
+  "effective_length",
   "eval_seed",
   "grid_metrics",
   "make_batch",

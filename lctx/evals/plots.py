@@ -44,6 +44,8 @@ def heatmap(records: Sequence[dict], task: str, path: str, *, step: int) -> None
   """One figure per task: a length x depth accuracy heatmap per variant."""
   rs = [r for r in records if r["task"] == task]
   panels = [(v, title, "accuracy") for v, title in _VARIANTS if any(_variant(r) == v for r in rs)]
+  if any(_variant(r) == "main" and "generation_score" in r for r in rs):
+    panels.insert(1, ("main", "generation (RULER string match)", "generation_score"))
   windowed = [r for r in rs if _variant(r) == "main" and "window_accuracy" in r]
   if windowed:  # same examples, context cut to the last W tokens
     panels.append(
@@ -70,6 +72,36 @@ def heatmap(records: Sequence[dict], task: str, path: str, *, step: int) -> None
     ax.set_title(f"{title}\nmean {np.nanmean(vals):.2f}, chance {chance:.1g}", fontsize=9)
   fig.suptitle(f"{task} exact match, step {step}", fontsize=11)
   fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def effective_length_heatmap(records: Sequence[dict], metrics: dict, path: str, *, step: int):
+  """Task x length generation scores (main cells, mean over depths) with the
+  task average per length and RULER's effective length."""
+  main = [r for r in records if _variant(r) == "main" and "generation_score" in r]
+  tasks = list(dict.fromkeys(r["task"] for r in main))
+  lengths = sorted({r["length"] for r in main})
+  vals = np.full((len(tasks) + 1, len(lengths)), np.nan)
+  for i, t in enumerate(tasks):
+    for j, n in enumerate(lengths):
+      at = [r["generation_score"] for r in main if r["task"] == t and r["length"] == n]
+      if at:
+        vals[i, j] = float(np.mean(at))
+  vals[-1] = [metrics.get(f"eval/ruler_score_len{n}", np.nan) / 100.0 for n in lengths]
+  fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 3.0, 0.45 * len(tasks) + 2.0))
+  image = ax.imshow(vals, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+  for i in range(vals.shape[0]):
+    for j in range(vals.shape[1]):
+      if not np.isnan(vals[i, j]):
+        ax.text(j, i, f"{100 * vals[i, j]:.0f}", ha="center", va="center", fontsize=8)
+  ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+  ax.set_yticks(range(len(tasks) + 1), tasks + ["average"])
+  ax.set_xlabel("context length (tokens)")
+  eff = int(metrics.get("eval/effective_length", 0))
+  ax.set_title(f"generation score (%), step {step}; effective length {eff} (>= 85.6)", fontsize=9)
+  fig.colorbar(image, ax=ax)
+  fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
@@ -107,6 +139,22 @@ def summary_markdown(
 ) -> str:
   """A short human-readable report of the grid and the context evals."""
   lines = [f"# Retrieval evals, step {step}", ""]
+  ruler = sorted(
+    (int(k.rsplit("_len", 1)[1]), v)
+    for k, v in metrics.items()
+    if k.startswith("eval/ruler_score_len")
+  )
+  if ruler:
+    lines += [
+      "## Generation (RULER's string match on greedy decoding)",
+      "",
+      f"- effective length: {int(metrics.get('eval/effective_length', 0))} (the longest length "
+      "whose task-average score is >= 85.6%)",
+      "- task-average score by length: " + ", ".join(f"{n}: {v:.1f}%" for n, v in ruler),
+      f"- teacher-forced exact match and generation disagree on "
+      f"{100 * metrics.get('eval/generation/disagree', 0.0):.1f}% of examples",
+      "",
+    ]
   for task in dict.fromkeys(r["task"] for r in records):
     rs = [r for r in records if r["task"] == task]
     lines += [f"## {task}", ""]
@@ -119,6 +167,8 @@ def summary_markdown(
       lines.append(f"| {n} | {cells} | {np.nanmean(vals[i]):.2f} |")
     lines.append("")
     for key, label in (
+      ("gen", "generation score (RULER string match)"),
+      ("removed_gen", "generation score, needle removed (control)"),
       ("removed_acc", "needle removed (control)"),
       ("held_out_acc", "held-out haystack"),
       ("held_out_phrasing_acc", "held-out needle phrasing"),

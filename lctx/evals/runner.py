@@ -4,6 +4,7 @@ Writes under `<workdir>/evals/` (only on the writing process):
 
     retrieval.json            list of records, one per (variant, task, length, depth)
     retrieval_<task>.png      length x depth heatmaps: with needle / removed / held out
+    effective_length.png      task x length generation scores (with generation)
     context_use.json          loss per position bucket + context ablation (if documents)
     position_loss.png         the per-position loss curve (if documents)
     summary.md                short markdown report
@@ -16,6 +17,7 @@ The top-level files are always the latest step's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -29,9 +31,13 @@ from lctx.evals import plots
 from lctx.evals.context_use import context_use, context_use_metrics
 from lctx.evals.grid import grid_metrics, run_grid
 from lctx.evals.haystack import HAYSTACK_KINDS, make_haystack
+from lctx.evals.prompts import TEXT_HAYSTACK_KINDS, build_text_example, make_text_haystack
+from lctx.evals.ruler import NEEDLE_KINDS, TEXT_TASKS, TOKENS_TO_GENERATE
 from lctx.evals.scoring import LogitsFn, Scorer
 from lctx.evals.task_files import run_task_files, task_name
-from lctx.evals.tasks import TASKS
+from lctx.evals.tasks import TASKS, build_example
+
+PROMPTS = ("ruler", "spliced")
 
 _log = logging.getLogger(__name__)
 
@@ -43,7 +49,23 @@ class EvalConfig:
   forward each, plus a short window forward per main example."""
 
   tasks: tuple[str, ...] = TASKS
-  """Subset of lctx.evals.TASKS."""
+  """Subset of lctx.evals.TASKS ('spliced' prompts) or lctx.evals.ruler.TEXT_TASKS
+  ('ruler' prompts: also niah_multiquery, cwe, fwe)."""
+  prompts: str = "spliced"
+  """'ruler': each example is RULER's template as one string, tokenized once
+  (lctx/evals/prompts.py); 'spliced': needle, filler and question ids placed at
+  exact token offsets (lctx/evals/tasks.py: the retrieval training mixture's
+  format, what gin/local_cpu_retrieval*.gin train and are scored on)."""
+  generation_tokens: int = 0
+  """Greedy decoding budget for the generation score (RULER's string match);
+  each task decodes at most its RULER tokens_to_generate. 0 = off. Costs up to
+  this many forwards per example (lctx/evals/generate.py); runs in --mode=eval
+  and at the end of training, not in the evals during training."""
+  needle_kinds: tuple[str, str] = ("words", "numbers")
+  """'ruler' niah needles: (key kind, value kind), each in ruler.NEEDLE_KINDS."""
+  chat: bool = False
+  """'ruler' prompts in the tokenizer's chat template (needs lctx.data.chat);
+  without a template the prompt stays plain text."""
   lengths: tuple[int, ...] = (256, 512)
   """Total example lengths in tokens (prompt + answer)."""
   depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -53,7 +75,8 @@ class EvalConfig:
   seed: int = 0
   """Base eval seed; example seeds derive from it inside the reserved range."""
   haystack: str = "noise"
-  """Filler of the main grid: 'noise' (training's filler), 'alt_noise' or 'text'."""
+  """Filler of the main grid: 'noise' (training's filler), 'alt_noise' or 'text';
+  with 'ruler' prompts also 'needle' (distractor needles)."""
   held_out_haystack: str = "auto"
   """'auto' (= 'text' when documents are given, else 'alt_noise'), 'text',
   'alt_noise' or 'none'. Reported separately (held_out: true)."""
@@ -84,11 +107,21 @@ class EvalConfig:
   built-in tasks; each is a task named after its file."""
 
   def __post_init__(self):
-    bad = [t for t in self.tasks if t not in TASKS]
+    if self.prompts not in PROMPTS:
+      raise ValueError(f"EvalConfig.prompts {self.prompts!r} not in {PROMPTS}.")
+    known = TEXT_TASKS if self.prompts == "ruler" else TASKS
+    bad = [t for t in self.tasks if t not in known]
     if bad or not (self.tasks or self.task_files):
       raise ValueError(
-        f"EvalConfig.tasks {self.tasks} must be a subset of {TASKS}, non-empty unless "
-        "task_files are given."
+        f"EvalConfig.tasks {self.tasks} must be a subset of {known} (prompts "
+        f"{self.prompts!r}), non-empty unless task_files are given."
+      )
+    if self.generation_tokens < 0:
+      raise ValueError(f"EvalConfig.generation_tokens must be >= 0, got {self.generation_tokens}.")
+    if len(self.needle_kinds) != 2 or any(k not in NEEDLE_KINDS for k in self.needle_kinds):
+      raise ValueError(
+        f"EvalConfig.needle_kinds {self.needle_kinds} must be (key kind, value kind) in "
+        f"{NEEDLE_KINDS}."
       )
     names = [task_name(p) for p in self.task_files]
     clash = sorted({n for n in names if n in self.tasks or names.count(n) > 1})
@@ -101,12 +134,12 @@ class EvalConfig:
       raise ValueError(f"EvalConfig.lengths must be positive, got {self.lengths}.")
     if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
       raise ValueError(f"EvalConfig.depths must be in [0, 1], got {self.depths}.")
-    if self.haystack not in HAYSTACK_KINDS:
-      raise ValueError(f"EvalConfig.haystack {self.haystack!r} not in {HAYSTACK_KINDS}.")
-    if self.held_out_haystack not in HAYSTACK_KINDS + ("auto", "none"):
+    kinds = TEXT_HAYSTACK_KINDS if self.prompts == "ruler" else HAYSTACK_KINDS
+    if self.haystack not in kinds:
+      raise ValueError(f"EvalConfig.haystack {self.haystack!r} not in {kinds}.")
+    if self.held_out_haystack not in kinds + ("auto", "none"):
       raise ValueError(
-        f"EvalConfig.held_out_haystack {self.held_out_haystack!r} "
-        f"not in {HAYSTACK_KINDS + ('auto', 'none')}."
+        f"EvalConfig.held_out_haystack {self.held_out_haystack!r} not in {kinds + ('auto', 'none')}."
       )
     for name in ("samples_per_cell", "batch_size", "length_multiple", "num_documents"):
       if getattr(self, name) < 1:
@@ -140,6 +173,7 @@ def run_evals(
   documents: Sequence[str | np.ndarray] | None = None,
   write_files: bool | None = None,
   attention_windows: Sequence[int | None] | None = None,
+  generate: bool = True,
 ) -> dict[str, float]:
   """Runs the retrieval grid (+ controls) and, with `documents`, the context-use
   evals; writes the files listed in the module docstring; returns flat scalars
@@ -158,6 +192,7 @@ def run_evals(
   attention_windows: the model's per-layer attention window (None = global);
     when every layer is local, cells are classed window / relay / beyond by
     the needle's distance (lctx.evals.grid).
+  generate: False skips the generation score (the evals during training).
   """
   t0 = time.time()
   if write_files is None:
@@ -172,8 +207,20 @@ def run_evals(
     held_kind = "text" if docs else "alt_noise"
   if "text" in (config.haystack, held_kind) and not docs:
     raise ValueError("a 'text' haystack needs documents.")
-  haystack = make_haystack(config.haystack, tokenizer, docs)
-  held = None if held_kind == "none" else make_haystack(held_kind, tokenizer, docs)
+  gen_tokens = config.generation_tokens if generate else 0
+  if config.prompts == "ruler":
+    make = functools.partial(make_text_haystack, documents=docs, tokenizer=tokenizer)
+    builder = functools.partial(
+      build_text_example,
+      kinds=tuple(config.needle_kinds),
+      reserve=min(gen_tokens, max(TOKENS_TO_GENERATE.values())),
+      chat=config.chat,
+    )
+  else:
+    make = functools.partial(make_haystack, tokenizer=tokenizer, documents=docs)
+    builder = build_example
+  haystack = make(config.haystack)
+  held = None if held_kind == "none" else make(held_kind)
 
   records = run_grid(
     logits_fn,
@@ -192,6 +239,8 @@ def run_evals(
     add_bos=config.add_bos,
     held_out_phrasing=config.held_out_phrasing,
     attention_windows=attention_windows,
+    builder=builder,
+    generate_tokens=gen_tokens,
   )
   if config.task_files:
     records += run_task_files(
@@ -201,6 +250,7 @@ def run_evals(
       batch_size=config.batch_size,
       length_multiple=config.length_multiple,
       add_bos=config.add_bos,
+      generate_tokens=gen_tokens,
     )
   metrics = grid_metrics(records)
   main = [metrics[f"eval/{t}/acc"] for t in config.tasks if f"eval/{t}/acc" in metrics]
@@ -256,6 +306,10 @@ def _write_outputs(records, context, metrics, config, workdir, step) -> None:
   )
   for task in dict.fromkeys(r["task"] for r in records):
     plots.heatmap(records, task, os.path.join(stamped, f"retrieval_{task}.png"), step=step)
+  if any("generation_score" in r for r in records):
+    plots.effective_length_heatmap(
+      records, metrics, os.path.join(stamped, "effective_length.png"), step=step
+    )
   if context is not None:
     _write_json(os.path.join(stamped, "context_use.json"), context)
     plots.position_loss_plot(context, os.path.join(stamped, "position_loss.png"), step=step)

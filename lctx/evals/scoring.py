@@ -108,6 +108,7 @@ def logits_scorer(logits_fn: LogitsFn) -> Scorer:
     check_vocab(batch["inputs"], logits.shape[-1])
     b, k = batch["score_index"].shape
     logp, correct = np.zeros((b, k)), np.zeros((b, k), bool)
+    top = np.zeros((b, k), np.int32)
     bucket_loss = np.zeros((b, NUM_BUCKETS))
     for r in range(b):
       idx = batch["score_index"][r]
@@ -118,9 +119,10 @@ def logits_scorer(logits_fn: LogitsFn) -> Scorer:
       lp = _log_softmax(rows)[np.arange(pos.size), gold]
       at = np.searchsorted(pos, idx)
       logp[r], correct[r] = lp[at], (rows.argmax(axis=-1) == gold)[at]
+      top[r] = rows.argmax(axis=-1)[at]
       sel = np.searchsorted(pos, binned)
       np.add.at(bucket_loss[r], batch["bucket"][r, binned], -lp[sel])
-    return {"logp": logp, "correct": correct, "bucket_loss": bucket_loss}
+    return {"logp": logp, "correct": correct, "argmax": top, "bucket_loss": bucket_loss}
 
   return Scorer(fn)
 

@@ -140,6 +140,9 @@ class RetrievalExample:
   haystack: str
   chance: float  # probability of guessing the answer uniformly
   phrasing: str = "train"  # "train" or "held_out" (never in training data)
+  prompt: str = ""  # the prompt string (RULER text prompts; "" for spliced ones)
+  metric: str = "all"  # RULER's metric on a generation: string_match_all or _part
+  max_new_tokens: int = 16  # the task's decoding budget (RULER's tokens_to_generate)
 
 
 @dataclasses.dataclass(frozen=True)

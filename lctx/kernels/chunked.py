@@ -287,7 +287,9 @@ def chunked_cross_entropy(
 # ---------------------------------------------------------------------------
 
 
-def chunked_token_scores(hidden, unembed, targets, *, chunk_size, prologue=None, greedy=True):
+def chunked_token_scores(
+  hidden, unembed, targets, *, chunk_size, prologue=None, greedy=True, return_argmax=False
+):
   """Per-token log-probability and greedy match of each target, never holding
   `[B*T, E]` logits: the evals' forward-only counterpart of chunked_cross_entropy.
 
@@ -297,7 +299,8 @@ def chunked_token_scores(hidden, unembed, targets, *, chunk_size, prologue=None,
   Returns:
     (logp float32 `[B, T]`: log softmax(hidden @ unembed)[target], correct bool
     `[B, T]`: argmax == target, ties to the lowest id as np.argmax; None with
-    greedy=False, which skips the argmax, a pass over each chunk's logits).
+    greedy=False, which skips the argmax, a pass over each chunk's logits), and
+    with return_argmax the argmax ids int32 `[B, T]` third (greedy decoding).
   """
   _check_chunk_size(chunk_size)
   b, t, d = hidden.shape
@@ -323,9 +326,13 @@ def chunked_token_scores(hidden, unembed, targets, *, chunk_size, prologue=None,
     logits = _chunk_logits(pro(h_c, *consts), unembed)  # [c, E]
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
-    return None, (tgt - lse, jnp.argmax(logits, axis=-1) == t_c)
+    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return None, (tgt - lse, top == t_c, top)
 
-  _, (logp, correct) = jax.lax.scan(
+  _, (logp, correct, top) = jax.lax.scan(
     body, None, (h.reshape(n_chunks, c, d), tg.reshape(n_chunks, c))
   )
-  return logp.reshape(-1)[:tokens].reshape(b, t), correct.reshape(-1)[:tokens].reshape(b, t)
+  shape = lambda x: x.reshape(-1)[:tokens].reshape(b, t)  # noqa: E731
+  if return_argmax:
+    return shape(logp), shape(correct), shape(top)
+  return shape(logp), shape(correct)

@@ -315,17 +315,29 @@ def test_effective_length_on_a_fixture():
   assert effective_length(records[:2], threshold=96.0) == (0, {1024: pytest.approx(95.0)})
 
 
-def test_chat_prompts_fall_back_to_plain_text_without_a_template(tmp_path):
+def test_chat_prompts_are_the_models_template_as_transformers_renders_it(tmp_path):
+  """EvalConfig.chat renders the user's turn with lctx.data.chat (the SFT code):
+  equal to transformers' apply_chat_template with the generation prompt, then
+  the answer prefix; without a template it is a ConfigError, not plain text."""
+  import transformers
+
+  import helpers
+  from lctx.data.tokenizers import HFTokenizer
   from lctx.errors import ConfigError
   from lctx.evals.prompts import render_prompt
 
   tok = _bpe(tmp_path)
-  assert render_prompt("Q?", " A:", tok, chat=True) == "Q? A:"  # no chat template
-  config = tmp_path / "bpe" / "tokenizer_config.json"
-  config.write_text(json.dumps({"eos_token": "</s>", "chat_template": "{{ messages }}"}))
   assert render_prompt("Q?", " A:", tok, chat=False) == "Q? A:"
-  with pytest.raises(ConfigError, match="lctx.data.chat"):
+  with pytest.raises(ConfigError, match="no chat template"):
     render_prompt("Q?", " A:", tok, chat=True)
+  for family in ("llama31", "qwen3"):
+    path = helpers.save_chat_tokenizer(str(tmp_path / family), family)
+    user = "document: alpha beta key=gamma\nwhat is the key?"
+    got = render_prompt(user, " The key is", HFTokenizer(path), chat=True)
+    want = transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(
+      [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+    assert got == want + " The key is", family
 
 
 def test_task_files_get_rulers_metric_by_name(tmp_path):

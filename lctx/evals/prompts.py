@@ -98,28 +98,37 @@ def render_prompt(user: str, answer_prefix: str, tokenizer, chat: bool = False) 
   """The prompt string: the user's turn, then the answer prefix that starts the
   model's turn.
 
-  Plain text (user + answer_prefix) unless `chat` and the tokenizer's directory
-  has a chat template (tokenizer_config.json `chat_template`, or
-  chat_template.jinja); a chat model's
-  prompt is rendered by lctx.data.chat (the SFT conversation code), which this
-  tree does not have yet, so that case is a ConfigError, never a second renderer.
+  Plain text (user + answer_prefix) unless `chat`: then the user's turn goes
+  through the tokenizer directory's chat template (tokenizer_config.json
+  `chat_template`, or chat_template.jinja) by lctx.data.chat.render_chat, the
+  SFT conversation code, with the assistant header added, and the answer prefix
+  follows it. `chat` without a template is a ConfigError.
   """
-  if chat and _chat_template(tokenizer):
+  if not chat:
+    return user + answer_prefix
+  if not _chat_template(tokenizer):
     raise ConfigError(
-      "EvalConfig.chat = True: the tokenizer has a chat template, and chat prompts are "
-      "rendered by lctx.data.chat, which this tree does not have.",
-      fix="Set EvalConfig.chat = False (plain-text prompts).",
+      f"EvalConfig.chat = True, but the tokenizer at "
+      f"{getattr(tokenizer, 'model_path', None)!r} has no chat template "
+      "(tokenizer_config.json chat_template or chat_template.jinja).",
+      fix="Set EvalConfig.chat = False (plain-text prompts), or use an instruct model's tokenizer.",
     )
-  return user + answer_prefix
+  from lctx.data import chat as chat_lib  # pylint: disable=g-import-not-at-top
+
+  messages = [{"role": "user", "content": user}]
+  return chat_lib.render_chat(messages, tokenizer.model_path, add_generation_prompt=True) + (
+    answer_prefix
+  )
 
 
 def _chat_template(tokenizer) -> bool:
   path = getattr(tokenizer, "model_path", None)
   if not path:
     return False
-  if os.path.isfile(os.path.join(os.path.dirname(path), "chat_template.jinja")):
+  directory = path if os.path.isdir(path) else os.path.dirname(path)
+  if os.path.isfile(os.path.join(directory, "chat_template.jinja")):
     return True
-  config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+  config = os.path.join(directory, "tokenizer_config.json")
   try:
     with open(config, encoding="utf-8") as f:
       return bool(json.load(f).get("chat_template"))

@@ -64,8 +64,8 @@ class EvalConfig:
   needle_kinds: tuple[str, str] = ("words", "numbers")
   """'ruler' niah needles: (key kind, value kind), each in ruler.NEEDLE_KINDS."""
   chat: bool = False
-  """'ruler' prompts in the tokenizer's chat template (needs lctx.data.chat);
-  without a template the prompt stays plain text."""
+  """'ruler' prompts in the tokenizer's chat template (lctx.data.chat.render_chat);
+  without a template it is a ConfigError."""
   lengths: tuple[int, ...] = (256, 512)
   """Total example lengths in tokens (prompt + answer)."""
   depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -319,9 +319,9 @@ def test_chat_prompts_are_the_models_template_as_transformers_renders_it(tmp_pat
   """EvalConfig.chat renders the user's turn with lctx.data.chat (the SFT code):
   equal to transformers' apply_chat_template with the generation prompt, then
   the answer prefix; without a template it is a ConfigError, not plain text."""
+  import helpers
   import transformers
 
-  import helpers
   from lctx.data.tokenizers import HFTokenizer
   from lctx.errors import ConfigError
   from lctx.evals.prompts import render_prompt

@@ -361,8 +361,8 @@ def test_kept_attention_outputs_are_not_recomputed(strategy, kept):
   import jax
 
   from lctx.parallel import mesh as mesh_lib
-  from lctx.sizing import hlo_flops
   from lctx.sizing import compile as compile_lib
+  from lctx.sizing import hlo_flops
   from lctx.sizing import tpu as tpu_lib
   from lctx.trainer import TrainConfig, Trainer
 

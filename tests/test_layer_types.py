@@ -71,3 +71,24 @@ def test_layer_types_period():
 def test_layer_types_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ModelConfig(**kwargs, **SMALL)
+
+
+def test_a_checkpoint_takes_sliding_layers_but_not_linear_ones():
+  """Sliding vs full layers share parameters (context extension may add windows
+  to a Llama checkpoint); a linear layer has other parameters, so it is refused."""
+  from lctx.models.hf_config import check_shape_fields
+
+  llama = ModelConfig(num_layers=4, **SMALL)
+  windows = ModelConfig(
+    num_layers=4, layer_types=("sliding_attention", "full_attention") * 2, sliding_window=3, **SMALL
+  )
+  check_shape_fields(llama, windows, "ckpt")
+  hybrid = ModelConfig(
+    num_layers=4,
+    layer_types=("linear_attention", "full_attention") * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    **SMALL,
+  )
+  with pytest.raises(ValueError, match="layer_types"):
+    check_shape_fields(llama, hybrid, "ckpt")

@@ -192,10 +192,16 @@ def load_config(path: str, **overrides) -> ModelConfig:
 
 def check_shape_fields(expected: ModelConfig, given: ModelConfig, where: str) -> None:
   """A ValueError naming every SHAPE_FIELDS field where `given` differs from the checkpoint."""
+
+  def value(c: ModelConfig, f: str):
+    if f == "layer_types":  # which layers are linear; sliding vs full is free
+      return tuple(c.layer_type_of(i) == "linear_attention" for i in range(c.num_layers))
+    return getattr(c, f)
+
   diffs = [
     f"{f}: checkpoint has {getattr(expected, f)!r}, config has {getattr(given, f)!r}"
     for f in SHAPE_FIELDS
-    if getattr(expected, f) != getattr(given, f)
+    if value(expected, f) != value(given, f)
   ]
   if diffs:
     raise ValueError(

@@ -271,8 +271,9 @@ def remat_saved_bytes_per_token(
   multiplied by `device_scale` (COEFFICIENTS['saved_tensor_scale']: XLA keeps
   some of them twice, or in f32), those of the untagged 'residuals' (remat
   'none') by `residual_scale` (COEFFICIENTS['residual_scale']; None: as the
-  tagged ones)."""
-  scale = {"layer_input": 1.0}
+  tagged ones). The attention kernel's own residuals (ATTENTION_RESIDUALS: its
+  output and lse, the custom VJP's) are kept once, as the kernel wrote them."""
+  scale = {"layer_input": 1.0, **dict.fromkeys(models_config.ATTENTION_RESIDUALS, 1.0)}
   scale["residuals"] = device_scale if residual_scale is None else residual_scale
   device = host = 0.0
   k = max(1, setup.remat_group_size)

@@ -6,9 +6,10 @@ r"""Held-out answer accuracy of the CPU SFT recipe, before or after fine-tuning.
 A conversation counts as answered when every token of its last assistant turn
 (the value and the turn's end, <|im_end|> and newline) is the model's argmax
 given the conversation before it: greedy decoding would write exactly that
-answer; answer_token_accuracy is the share of those tokens that are. --before scores the run's starting parameters (TrainConfig.init_params_from,
-else the random initialisation of TrainConfig.seed); otherwise the workdir's
-latest checkpoint. Prints one JSON line and writes it to
+answer; answer_token_accuracy is the share of those tokens that are, and
+by_position the share per token of the answer. --before scores the run's
+starting parameters (TrainConfig.init_params_from, else the random
+initialisation of TrainConfig.seed); otherwise the workdir's latest checkpoint. Prints one JSON line and writes it to
 <workdir>/sft_accuracy_{before,after}.json.
 """
 
@@ -41,10 +42,8 @@ def main(argv):
   platforms.set_fake_devices(gin_utils.local_devices_macro(FLAGS.gin_file, [ROOT], FLAGS.gin_param))
   platforms.choose(cpu_only=True)
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   from lctx import configs, init_from  # pylint: disable=g-import-not-at-top
-  from lctx.data import chat  # pylint: disable=g-import-not-at-top
   from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from lctx.trainer import Trainer  # pylint: disable=g-import-not-at-top
 
@@ -59,12 +58,38 @@ def main(argv):
     state, which = {"params": params}, f"{found.kind}:{found.path}@{found.step}"
   else:
     state, which = trainer.init_state(exp.train.seed), f"random init (seed {exp.train.seed})"
-  logits_fn = trainer.logits_fn(state)
-  model_path = exp.data.tokenizer_model_path
   with open(FLAGS.heldout) as f:
     rows = [json.loads(line)["messages"] for line in f if line.strip()]
-  seq, b = exp.train.seq_len, exp.train.batch_size
+  scores = score(rows, exp.data.tokenizer_model_path, trainer.logits_fn(state), exp.train)
+  record = {
+    "which": "before" if FLAGS.before else "after",
+    "params": which,
+    "heldout": FLAGS.heldout,
+    **scores,
+    "seconds": round(time.perf_counter() - t0, 1),
+    "devices": jax.device_count(),
+  }
+  line = json.dumps(record)
+  print(line)
+  with open(os.path.join(FLAGS.workdir, f"sft_accuracy_{record['which']}.json"), "w") as f:
+    f.write(line + "\n")
+
+
+def score(rows, model_path: str, logits_fn, train) -> dict:
+  """Held-out conversations -> conversations, answer_accuracy,
+  answer_token_accuracy and by_position (the token accuracy of the answer's
+  k-th token: the value's digits, then <|im_end|> and the newline). rows: lists of messages ending in the assistant's
+  answer; logits_fn: a batch {inputs, positions, segment_ids} [b, S] -> logits
+  [b, S, V] (Trainer.logits_fn); train: its TrainConfig (batch_size, seq_len).
+  The logits at position j - 1 predict token j, as in training."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from lctx.data import chat  # pylint: disable=g-import-not-at-top
+
+  tokenizer = chat.load_chat_model(model_path).tokenizer
+  seq, b = train.seq_len, train.batch_size
   correct, total, tokens_right, tokens = 0, 0, 0, 0
+  by_position = {}  # answer token k -> [right, seen]
   for start in range(0, len(rows), b):
     group = rows[start : start + b]
     batch = {k: np.zeros((b, seq), np.int32) for k in ("inputs", "positions", "segment_ids")}
@@ -72,7 +97,7 @@ def main(argv):
     for r, messages in enumerate(group):
       ids, mask = chat.encode_chat(messages, model_path)
       prompt = chat.render_chat(messages[:-1], model_path, add_generation_prompt=True)
-      first = len(chat.load_chat_model(model_path).tokenizer.encode(prompt))
+      first = len(tokenizer.encode(prompt))
       n = len(ids) - 1
       if n > seq:
         raise ValueError(f"held-out conversation {start + r} has {n} examples > seq_len {seq}.")
@@ -81,27 +106,23 @@ def main(argv):
       batch["segment_ids"][r, :n] = 1
       targets = [j for j in range(first, len(ids)) if mask[j] > 0]
       answers.append((r, ids, targets))
-    predicted = logits_fn(batch).argmax(-1)  # [b, seq]
+    predicted = np.asarray(logits_fn(batch)).argmax(-1)  # [b, seq]
     for r, ids, targets in answers:
-      right = [predicted[r, j - 1] == ids[j] for j in targets]
+      right = [bool(predicted[r, j - 1] == ids[j]) for j in targets]
+      for k, ok in enumerate(right):
+        by_position.setdefault(k, [0, 0])
+        by_position[k][0] += ok
+        by_position[k][1] += 1
       correct += all(right)
       total += 1
       tokens_right += sum(right)
       tokens += len(right)
-  record = {
-    "which": "before" if FLAGS.before else "after",
-    "params": which,
-    "heldout": FLAGS.heldout,
+  return {
     "conversations": total,
     "answer_accuracy": correct / total,
     "answer_token_accuracy": round(tokens_right / tokens, 4),
-    "seconds": round(time.perf_counter() - t0, 1),
-    "devices": jax.device_count(),
+    "by_position": [round(r / n, 4) for _, (r, n) in sorted(by_position.items())],
   }
-  line = json.dumps(record)
-  print(line)
-  with open(os.path.join(FLAGS.workdir, f"sft_accuracy_{record['which']}.json"), "w") as f:
-    f.write(line + "\n")
 
 
 if __name__ == "__main__":

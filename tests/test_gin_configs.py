@@ -40,7 +40,10 @@ LOCAL = {
 # on a tiny Llama with a tiny tokenizer.json.
 PRETRAINED = {"gin/local_cpu_pretrained.gin"}
 # Stage files and the file whose checkpoint they start from (BASE_WORKDIR).
-STAGE_BASES = {"gin/local_cpu_extension.gin": "gin/local_cpu_retrieval.gin"}
+STAGE_BASES = {
+  "gin/local_cpu_extension.gin": "gin/local_cpu_retrieval.gin",
+  "gin/local_cpu_sft.gin": "gin/local_cpu_retrieval.gin",
+}
 # Mesh shrunk to 8 devices, keeping every axis the strategy uses above 1.
 SHRUNK_MESH = {
   "gin/usp_ironwood.gin": [
@@ -200,7 +203,7 @@ def test_local_config_trains_one_step(path, tmp_path):
       check=True,
       capture_output=True,
     )
-    params = [
+    params += [
       f"SFT_TRAIN = '{data / 'train.jsonl'}'",
       f"SFT_TOKENIZER = '{data / 'tokenizer'}'",
       f"DataConfig.data_dir = '{tmp_path / 'cache'}'",

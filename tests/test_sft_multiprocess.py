@@ -11,7 +11,8 @@ import helpers
 import pytest
 
 GIN_FILE = "gin/local_cpu_sft.gin"
-PARAMS = [  # a tiny model and a few steps; data, mesh and strategy stay the recipe's
+PARAMS = [  # a tiny model from scratch and a few steps; data, mesh and strategy stay the recipe's
+  "TrainConfig.init_params_from = None",
   "ModelConfig.d_model = 32",
   "ModelConfig.num_heads = 4",
   "ModelConfig.num_kv_heads = 2",

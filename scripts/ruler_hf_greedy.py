@@ -46,7 +46,9 @@ def main():
   budget = cfg["generation_tokens"]
   reserve = min(budget, max(ruler.TOKENS_TO_GENERATE.values()))
   out, t_total, n_total = [], 0.0, 0
+  per_length = {}  # length -> [seconds, examples, generated tokens]
   for length in cfg["lengths"]:
+    timing = per_length.setdefault(int(length), [0.0, 0, 0])
     for task in cfg["tasks"]:
       depths = [None] if task in ruler.DEPTHLESS else cfg["depths"]
       for di, depth in enumerate(depths):
@@ -75,8 +77,12 @@ def main():
               eos_token_id=tok.eos_id,
               pad_token_id=tok.pad_id,
             )
-          t_total += time.perf_counter() - t0
+          seconds = time.perf_counter() - t0
+          t_total += seconds
           n_total += 1
+          timing[0] += seconds
+          timing[1] += 1
+          timing[2] += int(gen.shape[1] - ids.shape[1])
           text = tok.decode(gen[0, ids.shape[1] :].tolist())
           scores.append(ruler.example_score(text, ex.answer_items, ex.metric))
           texts.append(text)
@@ -109,9 +115,18 @@ def main():
           f"{row['lctx_accuracy']} | hf {texts[0][:60]!r} | lctx {str(rec.get('generation'))[:60]!r}",
           flush=True,
         )
-  summary = {"cells": out, "hf_seconds_per_example": t_total / max(1, n_total)}
+  summary = {
+    "cells": out,
+    "hf_seconds_per_example": t_total / max(1, n_total),
+    "hf_by_length": {
+      str(n): {"seconds_per_example": t / max(1, k), "examples": k, "generated_tokens": g}
+      for n, (t, k, g) in per_length.items()
+    },
+  }
   with open(os.path.join(args.workdir, "evals", "hf_greedy.json"), "w") as f:
     json.dump(summary, f, indent=1)
+  for n, (t, k, g) in per_length.items():
+    print(f"transformers at {n}: {t / max(1, k):.1f} s per example ({k} examples, {g} tokens)")
   print(f"transformers: {t_total:.1f} s for {n_total} examples")
 
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import helpers
+import numpy as np
 import pytest
 
 from lctx import errors, progress
@@ -218,3 +220,86 @@ def test_bad_task_file_mid_training_checkpoints_first(tmp_path):
   line = _one_error_line(proc, "qa_bad.jsonl, line 2: 'input' must be a string")
   assert "stopped at step 1; the checkpoint at step 1" in line
   assert sorted(os.listdir(work / "checkpoints")) == ["1"]
+
+
+# A chatml template that fails on one row. Conversation rows are rendered as the
+# run reads them (lctx/data/conversations.py encode_stored), so unlike a text
+# jsonl row (checked when the corpus is prepared) a bad one can be met mid-training.
+_POISON_TEMPLATE = (
+  "{% for m in messages %}{% if m['content'] == 'poison' %}"
+  "{{ raise_exception('the row is poisoned') }}{% endif %}"
+  "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+def test_bad_chat_row_mid_training_checkpoints_first(tmp_path):
+  """A data row met after training began: one error line naming file:line,
+  status 2, and first a checkpoint at the step reached. The poisoned row is one
+  the run's own pipeline (same data config and seed) reads for batch 6."""
+  from lctx.data.pipeline import DataConfig, make_iterator
+  from lctx.data.tokenizers import HFTokenizer
+
+  tok = helpers.save_chat_tokenizer(str(tmp_path / "tok"), "chatml")
+  rows = [
+    [
+      {"role": "user", "content": f"what is the key {i}?"},
+      {"role": "assistant", "content": f"the answer is {i} " * 12},
+    ]
+    for i in range(200)
+  ]
+  path = tmp_path / "conv.jsonl"
+  path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+  source = {
+    "kind": "chat",
+    "path": str(path),
+    "field": "messages",
+    "train_on": "all",
+    "chat_template": _POISON_TEMPLATE,
+  }
+  data = {"num_packing_bins": 4, "window_shuffle_size": 1}
+  it = make_iterator(
+    DataConfig(
+      sources=(source,),
+      weights=(1.0,),
+      packing="first_fit",
+      tokenizer="hf",
+      tokenizer_model_path=tok,
+      data_dir=str(tmp_path / "probe_cache"),
+      **data,
+    ),
+    split="train",
+    batch_size=8,
+    seq_len=256,
+    seed=0,
+    process_index=0,
+    process_count=1,
+  )
+  batches = [next(it) for _ in range(7)]
+  text = HFTokenizer(tok).decode(batches[6]["inputs"].reshape(-1).tolist())
+  earlier = HFTokenizer(tok).decode(
+    np.concatenate([b["inputs"].reshape(-1) for b in batches[:6]]).tolist()
+  )
+  late = [i for i in range(200) if f"key {i}?" in text and f"key {i}?" not in earlier]
+  assert late, text
+  rows[late[0]][1]["content"] = "poison"
+  path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+  work = tmp_path / "run"
+  proc = _main(
+    *_SHORT_RUN,
+    f"--workdir={work}",
+    "--gin_param=TrainConfig.steps = 20",
+    "--gin_param=ModelConfig.vocab_size = 400",
+    f"--gin_param=DataConfig.sources = ({source!r},)",
+    "--gin_param=DataConfig.weights = (1.0,)",
+    *(f"--gin_param=DataConfig.{k} = {v}" for k, v in data.items()),
+    "--gin_param=DataConfig.tokenizer = 'hf'",
+    f"--gin_param=DataConfig.tokenizer_model_path = '{tok}'",
+    f"--gin_param=DataConfig.data_dir = '{tmp_path / 'cache'}'",
+    "--gin_param=experiment.evals = None",
+  )
+  line = _one_error_line(
+    proc, f"conv.jsonl:{late[0] + 1}: the chat template failed: the row is poisoned"
+  )
+  found = re.search(r"stopped at step (\d+); the checkpoint at step \1 ", line)
+  assert found and 1 <= int(found.group(1)) <= 6, line
+  assert sorted(os.listdir(work / "checkpoints")) == [found.group(1)]

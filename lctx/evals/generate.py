@@ -16,9 +16,11 @@ stops when all its rows have.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
+from absl import logging
 
 from lctx.evals import ruler
 from lctx.evals.scoring import Scorer, as_scorer, round_up
@@ -42,6 +44,7 @@ def greedy_decode(
   length_multiple)."""
   scorer: Scorer = as_scorer(model)
   out: list = [None] * len(prompts)
+  t0 = time.perf_counter()
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   for start in range(0, len(order), batch_size):
     idx = order[start : start + batch_size]
@@ -69,6 +72,14 @@ def greedy_decode(
           done[r] = all(x.lower() in text for x in refs[i])
     for r, i in enumerate(idx):
       out[i] = (np.asarray(gen[r], np.int32), tokenizer.decode(gen[r]))
+    # Decoding is slow (a full forward per token): say how far it got.
+    logging.info(
+      "greedy decoding: %d of %d prompts at width %d, %.1f s",
+      min(start + batch_size, len(order)),
+      len(order),
+      t,
+      time.perf_counter() - t0,
+    )
   return out
 
 

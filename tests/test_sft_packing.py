@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lctx import models
+from lctx.kernels import AttentionOptions
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -58,8 +59,7 @@ def _trainer(strategy, mesh_kw, zigzag, devices=None):
     seq_len=T,
     context_parallel_strategy=strategy,
     load_balance=zigzag,
-    attention_block_q=8,
-    attention_block_kv=8,
+    attention_options=AttentionOptions(block_q=8, block_kv=8),
   )
   return Trainer(MODEL, cfg, mesh)
 

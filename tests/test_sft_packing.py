@@ -9,6 +9,7 @@ import pytest
 
 from lctx import models
 from lctx.kernels import AttentionOptions
+from lctx.parallel import ContextOptions
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -58,7 +59,7 @@ def _trainer(strategy, mesh_kw, zigzag, devices=None):
     batch_size=B,
     seq_len=T,
     context_parallel_strategy=strategy,
-    load_balance=zigzag,
+    context_options=ContextOptions(load_balance=zigzag),
     attention_options=AttentionOptions(block_q=8, block_kv=8),
   )
   return Trainer(MODEL, cfg, mesh)

@@ -19,14 +19,24 @@ from lctx import data as data_lib
 from lctx import evals as evals_lib
 from lctx import init_from, models
 from lctx import train as train_lib
+from lctx.errors import ConfigError
 from lctx.evals import mixture
+from lctx.kernels import options as kernel_options
 from lctx.parallel import mesh as mesh_lib
+from lctx.parallel import options as context_options
 from lctx.train_config import TrainConfig
 
 ModelConfig = gin.external_configurable(models.ModelConfig, "ModelConfig")
 MeshConfig = gin.external_configurable(mesh_lib.MeshConfig, "MeshConfig")
 DataConfig = gin.external_configurable(data_lib.DataConfig, "DataConfig")
 TrainConfigG = gin.external_configurable(TrainConfig, "TrainConfig")
+# The options objects TrainConfig holds: `TrainConfig.attention_options =
+# @AttentionOptions()`, `TrainConfig.context_options = @ContextOptions()`.
+AttentionOptionsG = gin.external_configurable(kernel_options.AttentionOptions, "AttentionOptions")
+ContextOptionsG = gin.external_configurable(context_options.ContextOptions, "ContextOptions")
+# Each options class, the TrainConfig field that must reference it for its
+# bindings to apply.
+_OPTIONS_FIELDS = {"AttentionOptions": "attention_options", "ContextOptions": "context_options"}
 
 
 EvalConfig = gin.external_configurable(evals_lib.EvalConfig, "EvalConfig")
@@ -65,6 +75,20 @@ def model_config(name: str, **overrides) -> models.ModelConfig:
   return models.ModelConfig(**{**fields, **overrides})
 
 
+def _check_options_referenced() -> None:
+  """Bindings of an options class apply only through the TrainConfig field that
+  references it; binding them without the reference is an error, not a no-op."""
+  train = gin.get_bindings("TrainConfig")
+  for kind, field in _OPTIONS_FIELDS.items():
+    bound = gin.get_bindings(kind)
+    if bound and field not in train:
+      raise ConfigError(
+        f"{kind}.{sorted(bound)[0]} is bound, but TrainConfig.{field} does not "
+        f"reference {kind}, so it would not apply.",
+        fix=f"Add TrainConfig.{field} = @{kind}().",
+      )
+
+
 @gin.configurable("target")
 def target(compile_topology: str | None = None) -> str | None:
   """The hardware an experiment file is written for, named as --compile_topology
@@ -84,6 +108,7 @@ def experiment(
   top: the shape fields must agree with it (an error names the one that does
   not), the others (dtypes, remat, chunking, RoPE for an extension) are gin's.
   """
+  _check_options_referenced()
   train = train or TrainConfig()
   if train.init_params_from and init_from.is_hf_dir(train.init_params_from):
     model = init_from.hf_model_config(train.init_params_from, gin.get_bindings("ModelConfig"))

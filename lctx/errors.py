@@ -35,6 +35,20 @@ _DEFAULT_FIX = (
   "Change the setting or flag it names (in the gin file, with --gin_param, or the flag)."
 )
 _UNKNOWN_CONFIGURABLE = re.compile(r"No configurable matching '([^']+)'")
+# Gin bindings that moved: old `Configurable.parameter` -> (the options object
+# the value now belongs to, its field). A file binding an old name fails with
+# one line naming the new binding.
+MOVED_BINDINGS = {
+  "TrainConfig.attention_backend": ("attention_options", "AttentionOptions.backend"),
+  "TrainConfig.attention_block_q": ("attention_options", "AttentionOptions.block_q"),
+  "TrainConfig.attention_block_kv": ("attention_options", "AttentionOptions.block_kv"),
+  "TrainConfig.attention_block_q_bwd": ("attention_options", "AttentionOptions.block_q_bwd"),
+  "TrainConfig.attention_block_kv_bwd": ("attention_options", "AttentionOptions.block_kv_bwd"),
+  "TrainConfig.attention_fused_bwd": ("attention_options", "AttentionOptions.fused_bwd"),
+  "TrainConfig.load_balance": ("context_options", "ContextOptions.load_balance"),
+  "TrainConfig.ulysses_head_chunks": ("context_options", "ContextOptions.head_chunks"),
+  "TrainConfig.ulysses_stage_projections": ("context_options", "ContextOptions.stage_projections"),
+}
 
 
 class ConfigError(ValueError):
@@ -100,6 +114,13 @@ def _gin_cause(err: BaseException) -> str:
 def _gin_fix(err: BaseException) -> str:
   message = str(err)
   if m := _UNKNOWN_PARAMETER.search(message):
+    if moved := MOVED_BINDINGS.get(f"{m.group(1)}.{m.group(2)}"):
+      field, new = moved
+      kind = new.split(".")[0]
+      return (
+        f"{m.group(1)}.{m.group(2)} moved to {new}: bind {m.group(1)}.{field} = "
+        f"@{kind}() and {new} = <the value>."
+      )
     known = _parameters_of(m.group(1))
     close = difflib.get_close_matches(m.group(2), known, n=1)
     if close:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 from lctx import metrics, parallel
+from lctx.errors import ConfigError
 from lctx.kernels.options import AttentionOptions
+from lctx.parallel.options import ContextOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +44,20 @@ class TrainConfig:
     async_checkpoint: write checkpoints in the background.
     context_parallel_strategy: 'all_gather' | 'ulysses' | 'ring' | 'usp' |
       'auto' | 'none' (no context parallelism: attention on one device).
-    load_balance: zigzag reorder for causal load balance; None picks the
-      strategy's default (on for ring and usp).
-    attention_backend: kernel backend, 'auto' | 'blockwise' | 'cpu' |
-      'reference' | 'splash' | 'cudnn' | 'xla' (lctx.kernels.flash_attention).
-    attention_block_q, attention_block_kv: kernel block sizes.
-    attention_block_q_bwd, attention_block_kv_bwd: the backward pass's (None:
-      the same); it holds about twice the forward's temporaries per block.
-    attention_fused_bwd: splash's fused dq+dkv backward (AttentionOptions.fused_bwd);
-      False: its two-pass dkv then dq kernels.
+      The user's name for ContextOptions.strategy (`context()`).
+    attention_options: the attention kernel settings (lctx/kernels/options.py):
+      backend ('auto' | 'blockwise' | 'cpu' | 'reference' | 'splash' | 'cudnn'
+      | 'xla'), block_q / block_kv, block_q_bwd / block_kv_bwd (the backward
+      pass's; None: the same), fused_bwd, dq_partial_bytes. In gin:
+      `TrainConfig.attention_options = @AttentionOptions()` and
+      `AttentionOptions.block_q = 1024`. The mask fields (causal, window,
+      scale) are the model's, per call: leave them unbound.
+    context_options: the context-parallel settings (lctx/parallel/options.py):
+      load_balance (zigzag; None: the strategy's default, on for ring and usp),
+      head_chunks and stage_projections (ulysses / usp UPipe stages), the
+      ring's sub_chunks. In gin: `TrainConfig.context_options =
+      @ContextOptions()` and `ContextOptions.head_chunks = 4`. Its strategy
+      is context_parallel_strategy.
     device_memory_gib: per-device memory budget used by strategy 'auto'.
     max_skipped_steps: a step whose loss or gradient norm is not finite leaves
       the parameters and optimizer state unchanged and is counted
@@ -61,16 +68,6 @@ class TrainConfig:
     cpu_keep_freed_memory: on the CPU backend, make glibc malloc reuse freed
       memory rather than unmap it and page-fault it in again every step
       (lctx/host.py). The process keeps its peak footprint.
-    ulysses_head_chunks: ulysses/usp: run each layer's attention in this many
-      head stages (UPipe: the all-to-all, kernel and inverse all-to-all of one
-      head group at a time, buffers reused; lctx/parallel/upipe.py). None: all
-      heads at once.
-    ulysses_stage_projections: with ulysses_head_chunks, each stage also
-      projects its own q/k/v heads and its share of the output projection
-      (lctx/models/attention.py), so the layer's whole q, attention output and
-      their gradients are never held; K/V are re-projected and re-exchanged
-      for every q stage. False: the stages slice the layer's projected q/k/v
-      and exchange K/V once per GQA group.
     offload_optimizer_state, offload_params: keep the optimizer state / the
       parameters in pinned host memory between steps; the step moves them to
       the device where it uses them (params for the forward and backward, the
@@ -110,13 +107,8 @@ class TrainConfig:
   keep_checkpoints: int = 3
   async_checkpoint: bool = True
   context_parallel_strategy: str = "auto"
-  load_balance: bool | None = None
-  attention_backend: str = "auto"
-  attention_block_q: int = 512
-  attention_block_kv: int = 512
-  attention_block_q_bwd: int | None = None
-  attention_block_kv_bwd: int | None = None
-  attention_fused_bwd: bool = True
+  attention_options: AttentionOptions = AttentionOptions()
+  context_options: ContextOptions = ContextOptions()
   device_memory_gib: float = 16.0
   max_skipped_steps: int = 5
   profile_steps: tuple[int, int] | None = None
@@ -124,23 +116,40 @@ class TrainConfig:
   cpu_vector_width: int | None = 512
   offload_optimizer_state: bool = False
   offload_params: bool = False
-  ulysses_head_chunks: int | None = None
-  ulysses_stage_projections: bool = False
   init_params_from: str | None = None
 
   def __post_init__(self):
     validate_train_config(self)
 
-  def kernel_options(self) -> AttentionOptions:
-    """The attention_* settings as the one attention-options object (it checks them)."""
-    return AttentionOptions(
-      backend=self.attention_backend,
-      block_q=self.attention_block_q,
-      block_kv=self.attention_block_kv,
-      block_q_bwd=self.attention_block_q_bwd,
-      block_kv_bwd=self.attention_block_kv_bwd,
-      fused_bwd=self.attention_fused_bwd,
-    )
+  def context(self) -> ContextOptions:
+    """context_options with the strategy this config names."""
+    return dataclasses.replace(self.context_options, strategy=self.context_parallel_strategy)
+
+  # Read-only views of the options under the flat names they replaced, for the
+  # planner (lctx/sizing/planner.py) until it reads the options objects.
+  @property
+  def attention_backend(self) -> str:
+    return self.attention_options.backend
+
+  @property
+  def attention_block_q(self) -> int:
+    return self.attention_options.block_q
+
+  @property
+  def attention_block_kv(self) -> int:
+    return self.attention_options.block_kv
+
+  @property
+  def attention_fused_bwd(self) -> bool:
+    return self.attention_options.fused_bwd
+
+  @property
+  def load_balance(self) -> bool | None:
+    return self.context_options.load_balance
+
+  @property
+  def ulysses_head_chunks(self) -> int | None:
+    return self.context_options.head_chunks
 
 
 def validate_train_config(c: TrainConfig) -> None:
@@ -186,9 +195,42 @@ def validate_train_config(c: TrainConfig) -> None:
       f"TrainConfig.init_params_from must be None or a path; got {c.init_params_from!r}."
     )
   metrics.check_profile_steps(c.profile_steps)
-  # Kernel backend and block sizes: one rule, in AttentionOptions, whose field
-  # <name> is TrainConfig's attention_<name>.
-  try:
-    c.kernel_options()
-  except ValueError as err:
-    raise ValueError(f"TrainConfig.attention_{err}.") from None
+  # The options objects check their own fields when they are made.
+  if not isinstance(c.attention_options, AttentionOptions):
+    raise ConfigError(
+      f"TrainConfig.attention_options must be an AttentionOptions; got {c.attention_options!r}.",
+      fix="Bind TrainConfig.attention_options = @AttentionOptions().",
+    )
+  if not isinstance(c.context_options, ContextOptions):
+    raise ConfigError(
+      f"TrainConfig.context_options must be a ContextOptions; got {c.context_options!r}.",
+      fix="Bind TrainConfig.context_options = @ContextOptions().",
+    )
+  mask = AttentionOptions()
+  set_mask = [
+    f
+    for f in ("causal", "window_size", "softmax_scale")
+    if getattr(c.attention_options, f) != getattr(mask, f)
+  ]
+  if set_mask:
+    raise ConfigError(
+      f"AttentionOptions.{set_mask[0]} is the model's, set per call (ModelConfig); "
+      "TrainConfig.attention_options carries the kernel settings only.",
+      fix=f"Remove the AttentionOptions.{set_mask[0]} binding.",
+    )
+  if c.attention_options.platform is not None:
+    raise ConfigError(
+      "AttentionOptions.platform is the mesh's (the context plan sets it).",
+      fix="Remove the AttentionOptions.platform binding.",
+    )
+  if c.context_options.strategy != ContextOptions.strategy:
+    raise ConfigError(
+      "ContextOptions.strategy is bound; the strategy's name is "
+      "TrainConfig.context_parallel_strategy.",
+      fix=f"Bind TrainConfig.context_parallel_strategy = {c.context_options.strategy!r}.",
+    )
+  if c.context_options.token_order is not None:
+    raise ConfigError(
+      "ContextOptions.token_order is the plan's (from load_balance and the ring size).",
+      fix="Remove the ContextOptions.token_order binding.",
+    )

@@ -47,12 +47,9 @@ def context_plan(cfg: TrainConfig, mesh, model_cfg: models.ModelConfig) -> paral
     dims,
     seq_len=cfg.seq_len,
     batch_size=cfg.batch_size,
-    strategy=cfg.context_parallel_strategy,
-    load_balance=cfg.load_balance,
-    kernel=cfg.kernel_options(),
+    context=cfg.context(),
+    attention=cfg.attention_options,
     memory_budget_bytes=int(cfg.device_memory_gib * 2**30),
-    head_chunks=cfg.ulysses_head_chunks,
-    stage_projections=cfg.ulysses_stage_projections,
   )
 
 

@@ -38,8 +38,11 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 from lctx.kernels import blockwise_block_counts  # noqa: E402
-from lctx.parallel.block_ops import AttnConfig, maybe_visible  # noqa: E402
+from lctx.kernels.options import AttentionOptions  # noqa: E402
+from lctx.parallel.block_ops import maybe_visible  # noqa: E402
 from lctx.parallel.context import make_attention_fn  # noqa: E402
+from lctx.parallel.options import ContextOptions  # noqa: E402
+from lctx.parallel.validation import zigzag_ring_size  # noqa: E402
 from lctx.parallel.zigzag import zigzag_reorder  # noqa: E402
 
 SEQ = ("context", "context_ulysses")
@@ -136,7 +139,9 @@ def block_balance(strategy, shape, seg, pos, block):
   count 0. usp: per ring group (its devices split the heads of the same blocks).
   """
   counter = jax.jit(
-    functools.partial(blockwise_block_counts, causal=True, block_q=block, block_kv=block)
+    functools.partial(
+      blockwise_block_counts, options=AttentionOptions(causal=True, block_q=block, block_kv=block)
+    )
   )
 
   def count(qs, qp, ks, kp):
@@ -156,7 +161,7 @@ def block_balance(strategy, shape, seg, pos, block):
     return 1.0, count(seg, pos, seg, pos)
   if strategy in ("ring", "usp"):
     sd, pd = np.split(seg, c, 1), np.split(pos, c, 1)
-    cfg = AttnConfig(causal=True)
+    cfg = AttentionOptions(causal=True)
     counts = np.array(
       [
         sum(
@@ -210,9 +215,11 @@ def build(name, t, heads, head_dim, block, sub_chunks=None, dtype=jnp.float32):
   if strategy == "lwm":
     attn = _lwm_attention(mesh, block)
   else:
-    attn = make_attention_fn(
-      mesh, strategy, block_q=block, block_kv=block, load_balance=lb, sub_chunks=sub_chunks
+    order = zigzag_ring_size(dict(zip(SEQ, shape))) if lb else 0
+    context = ContextOptions(
+      strategy=strategy, load_balance=lb, sub_chunks=sub_chunks, token_order=order
     )
+    attn = make_attention_fn(mesh, context, AttentionOptions(block_q=block, block_kv=block))
   seg = np.ones((1, t), np.int32)
   pos = np.arange(t, dtype=np.int32)[None]
   if lb:

@@ -83,7 +83,7 @@ def cell_params(strategy: str, topology: str, seq_len: int, backend: str = "") -
   """The --gin_param bindings of one cell."""
   target = hardware.parse_target(topology)
   mesh, batch = mesh_for(strategy, target.devices)
-  extra = [f"TrainConfig.attention_backend = '{backend}'"] if backend else []
+  extra = [f"AttentionOptions.backend = '{backend}'"] if backend else []
   return extra + [
     "MeshConfig.data = 1",
     "MeshConfig.tensor = 1",
@@ -250,7 +250,7 @@ def main(argv=None) -> None:
   ap.add_argument(
     "--attention_backend",
     default="",
-    help="override TrainConfig.attention_backend (e.g. 'blockwise', the kernel the planner's "
+    help="override AttentionOptions.backend (e.g. 'blockwise', the kernel the planner's "
     "coefficients were fitted to); default: the gin files' ('auto')",
   )
   ap.add_argument(
@@ -304,7 +304,7 @@ def main(argv=None) -> None:
           "tokens_per_step": exp.train.batch_size * seq_len,
           "mesh": dataclasses.asdict(exp.mesh),
           "remat_policy": exp.model.remat_policy,
-          "attention_backend_configured": exp.train.attention_backend,
+          "attention_backend_configured": exp.train.attention_options.backend,
           "config_key": key,
           **planner_row(exp, topology),
         }

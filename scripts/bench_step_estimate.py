@@ -73,7 +73,7 @@ def main(_):
     "machine": f"{platform.node()} {os.cpu_count()} cpus {jax.devices()[0].device_kind} x{devices}",
     "strategy": trainer.strategy,
     "attention_backend": compile_lib.attention_backend_of(
-      compiled.as_text(), exp.train.attention_backend
+      compiled.as_text(), exp.train.attention_options.backend
     ),
     "tokens_per_step": b * t,
     "matmul_2048_gflops_per_sec": matmul / 1e9,

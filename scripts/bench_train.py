@@ -65,7 +65,7 @@ def main(_):
     f"{jax.devices()[0].device_kind} x{jax.device_count()}",
     "strategy": trainer.strategy,
     "load_balance": trainer.load_balance,
-    "attention_backend": exp.train.attention_backend,
+    "attention_backend": exp.train.attention_options.backend,
     # What the compiled step really calls (auto may fall back to blockwise).
     "fused_cpu_attention": "lctx_cpu_attention_fwd" in compiled.as_text(),
     "tokens_per_step": b * t,

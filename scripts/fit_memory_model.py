@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 from lctx import data as data_lib  # noqa: E402
 from lctx import hardware, models  # noqa: E402
 from lctx import train as train_lib  # noqa: E402
+from lctx.kernels.options import AttentionOptions  # noqa: E402
 from lctx.parallel import attention_memory  # noqa: E402
 from lctx.parallel.mesh import MeshConfig  # noqa: E402
 from lctx.sizing import compile as compile_lib  # noqa: E402
@@ -335,9 +336,9 @@ def experiment(case: Case):
     seq_len=case.seq_len,
     context_parallel_strategy=case.strategy,
     loss_chunk_size=case.loss_chunk,
-    attention_block_q=case.block,
-    attention_block_kv=case.block,
-    attention_backend=case.kernel,
+    attention_options=AttentionOptions(
+      block_q=case.block, block_kv=case.block, backend=case.kernel
+    ),
   )
   return train_lib.Experiment(
     model=models.ModelConfig(**model),

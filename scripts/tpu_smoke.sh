@@ -26,7 +26,7 @@
 #               final checkpoint, ~100 GB for the 8B model, is deleted after it)
 #   PYTHON      the interpreter (default: python)
 #   EXTRA       more --gin_param bindings, separated by ';' (e.g.
-#               "TrainConfig.attention_backend='blockwise'" to compare kernels)
+#               "AttentionOptions.backend='blockwise'" to compare kernels)
 # Output: one line per config (step time, tokens/s, MFU, any logged reason the
 # TPU attention kernel was passed over) and
 # the per-step records in $SMOKE_DIR/<config>.metrics.jsonl.

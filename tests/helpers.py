@@ -90,6 +90,34 @@ def mesh(name: str, axis_type=None):
   return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
 
 
+def strategy_attention_fn(
+  mesh,
+  strategy: str,
+  *,
+  load_balance=None,
+  head_chunks=None,
+  sub_chunks=None,
+  window_aware=False,
+  **options,
+):
+  """make_attention_fn of one resolved strategy, with the token order a plan would
+  give it (load_balance None: unknown) and AttentionOptions(**options)."""
+  from lctx.kernels import AttentionOptions  # pylint: disable=g-import-not-at-top
+  from lctx.parallel import ContextOptions, make_attention_fn  # pylint: disable=g-import-not-at-top
+  from lctx.parallel.validation import zigzag_ring_size  # pylint: disable=g-import-not-at-top
+
+  shape = dict(zip(mesh.axis_names, mesh.devices.shape))
+  order = None if load_balance is None else (zigzag_ring_size(shape) if load_balance else 0)
+  context = ContextOptions(
+    strategy=strategy,
+    load_balance=load_balance,
+    head_chunks=head_chunks,
+    sub_chunks=sub_chunks,
+    token_order=order,
+  )
+  return make_attention_fn(mesh, context, AttentionOptions(**options), window_aware=window_aware)
+
+
 def packed_segments(b: int, t: int, packed: bool = True):
   """(segment ids, positions) as numpy int32 [b, t], laid out as the data pipeline
   packs rows: row 0 holds two documents then trailing padding (segment 0), the last
@@ -122,8 +150,9 @@ TINY_GIN = [
   "ModelConfig.mlp_chunk_size = None",
   "TrainConfig.seq_len = 4096",
   "TrainConfig.loss_chunk_size = 1024",
-  "TrainConfig.attention_block_q = 512",
-  "TrainConfig.attention_block_kv = 512",
+  "TrainConfig.attention_options = @AttentionOptions()",
+  "AttentionOptions.block_q = 512",
+  "AttentionOptions.block_kv = 512",
 ]
 
 

@@ -54,7 +54,8 @@ SMALL_SLICE = {
       "MeshConfig.context = 4",
       "MeshConfig.context_ulysses = 2",
       "TrainConfig.batch_size = 1",
-      "TrainConfig.ulysses_head_chunks = 2",  # the tiny model's 2 heads per device
+      "TrainConfig.context_options = @ContextOptions()",
+      "ContextOptions.head_chunks = 2",  # the tiny model's 2 heads per device
     ],
   ),
   "gin/ring_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
@@ -138,7 +139,7 @@ def test_tpu_gin_file_compiles_for_its_kind(path, tmp_path, capsys):
   assert used == {a for a, size in exp.mesh.ici_shape().items() if size > 1}
   # 'auto' on TPU devices from this CPU host: the TPU kernel (or what the gin
   # file pins).
-  configured = exp.train.attention_backend
+  configured = exp.train.attention_options.backend
   assert saved["attention_backend"] == ("splash" if configured == "auto" else configured)
   d = saved["per_device"]
   assert d["total_bytes"] == (
@@ -370,7 +371,7 @@ def test_auto_strategy_is_sized_with_the_kernel_of_the_mesh(monkeypatch):
   monkeypatch.setattr(
     auto, "choose_strategy", lambda **kw: seen.append(kw["kernel"]) or choose(**kw)
   )
-  dims = plan_lib.AttentionDims(num_q_heads=8, num_kv_heads=8, head_dim=128, v_head_dim=128)
+  dims = plan_lib.AttentionDims(num_heads=8, num_kv_heads=8, head_dim=128, v_head_dim=128)
   cfg = mesh_lib.MeshConfig(context=4)
   for devices in (tpu_lib.topology_devices("v5p:2x2x1"), jax.devices()[:4]):
     plan = plan_lib.make_context_plan(

@@ -113,7 +113,7 @@ def test_compile_mode_on_a_gpu_node(tmp_path, capsys):
 
 
 def test_stage_projections_shrink_the_layer_working_set():
-  """UPipe with per-stage projections (TrainConfig.ulysses_stage_projections)
+  """UPipe with per-stage projections (ContextOptions.stage_projections)
   against the stages slicing the layer's whole q/k/v: the compiled temporaries
   fall (no whole-layer q, attention output or their gradients)."""
   from lctx.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
@@ -123,7 +123,11 @@ def test_stage_projections_shrink_the_layer_working_set():
   temps = {}
   for staged in (False, True):
     exp = _experiment(
-      [*_TINY, "TrainConfig.seq_len = 262144", f"TrainConfig.ulysses_stage_projections = {staged}"]
+      [
+        *_TINY,
+        "TrainConfig.seq_len = 262144",
+        f"ContextOptions.stage_projections = {staged}",
+      ]
     )
     trainer = Trainer(exp.model, exp.train, mesh_lib.make_mesh(exp.mesh, devices=devices))
     compiled = trainer.lower_train_step().compile()

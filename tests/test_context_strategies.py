@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lctx.kernels import reference_attention
-from lctx.parallel import context_attention, make_attention_fn
+from lctx.parallel import context_attention
 from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
 
 AUTO = jax.sharding.AxisType.Auto
@@ -174,7 +174,7 @@ def test_attention_fn_in_jit_on_reordered_batch_sharded_over_data():
   seg_z, pos_z = zz(seg), zz(pos)  # host numpy, like the data pipeline
   assert isinstance(seg_z, np.ndarray)
   # sub_chunks=2: the per-hop split that skips half-chunk pairs independently.
-  attn = make_attention_fn(mesh, "ring", load_balance=True, sub_chunks=2)
+  attn = helpers.strategy_attention_fn(mesh, "ring", load_balance=True, sub_chunks=2)
   shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))  # noqa: E731
   qz, kz, vz, wz = (shard(zz(x)) for x in (q, k, v, w))
 
@@ -213,7 +213,7 @@ def test_ring_piece_pairs_match_reference(heads, causal, window, lb):
   seg, pos = helpers.packed_segments(2, 128, True)
   zz = (lambda x: zigzag_reorder(x, 8, axis=1)) if lb else (lambda x: x)  # noqa: E731
   unzz = (lambda x: zigzag_inverse(x, 8, axis=1)) if lb else (lambda x: x)  # noqa: E731
-  attn = make_attention_fn(mesh, "ring", load_balance=lb, sub_chunks=4)
+  attn = helpers.strategy_attention_fn(mesh, "ring", load_balance=lb, sub_chunks=4)
 
   def ours(q, k, v):
     return unzz(
@@ -259,7 +259,7 @@ def test_ring_under_layer_scan_keeps_no_per_hop_copies(remat):
   t, pieces = 512, 2  # 64 tokens per device, pieces of 32: 7 hops x 4 pairs
   q, k, v, _ = _inputs("mha", b=1, t=t)
   seg, pos = helpers.packed_segments(1, t, True)
-  attn = make_attention_fn(mesh, "ring", load_balance=False, sub_chunks=pieces)
+  attn = helpers.strategy_attention_fn(mesh, "ring", load_balance=False, sub_chunks=pieces)
 
   def layer(x):
     return attn(x, k, v, segment_ids=seg, positions=pos)

@@ -6,8 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lctx.kernels import AttentionOptions
+from lctx.parallel import AttentionDims, ContextOptions
 from lctx.parallel.auto import choose_strategy, smallest_context_degree
-from lctx.parallel.block_ops import AttnConfig, count_ring_blocks, maybe_visible
+from lctx.parallel.block_ops import count_ring_blocks, maybe_visible
 from lctx.parallel.validation import validate_context_parallel
 from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
 
@@ -155,33 +157,35 @@ def test_zigzag_other_axis_and_bad_length():
 def test_zigzag_balances_causal_ring_blocks():
   """Counted with the same skip test the ring uses: ~2x imbalance -> 1.0."""
   t, p = 64, 8
-  cfg = AttnConfig(causal=True, sub_chunks=2)
+  cfg, ctx = AttentionOptions(causal=True), ContextOptions(sub_chunks=2)
   pos = np.arange(t)[None]
   seg = np.ones((1, t), np.int32)
-  plain = count_ring_blocks(seg, pos, ring_size=p, cfg=cfg)
-  zz = count_ring_blocks(zigzag_reorder(seg, p), zigzag_reorder(pos, p), ring_size=p, cfg=cfg)
+  plain = count_ring_blocks(seg, pos, ring_size=p, cfg=cfg, ctx=ctx)
+  zz = count_ring_blocks(
+    zigzag_reorder(seg, p), zigzag_reorder(pos, p), ring_size=p, cfg=cfg, ctx=ctx
+  )
   assert plain.max() / plain.mean() > 1.7
   assert zz.max() / zz.mean() <= 1.1
   assert zz.sum() == plain.sum()  # same work, just spread evenly
-  full = count_ring_blocks(seg, pos, ring_size=p, cfg=AttnConfig(causal=False, sub_chunks=2))
+  full = count_ring_blocks(seg, pos, ring_size=p, cfg=AttentionOptions(causal=False), ctx=ctx)
   assert full.min() == full.max() == 4 * p
 
 
 def test_maybe_visible_skips_only_fully_masked_blocks():
-  cfg = AttnConfig(causal=True)
+  cfg = AttentionOptions(causal=True)
   one = np.ones((2, 4), np.int32)
   early, late = np.arange(4)[None].repeat(2, 0), 4 + np.arange(4)[None].repeat(2, 0)
   assert not maybe_visible(one, one, early, late, cfg, xp=np)  # keys after queries
   assert maybe_visible(one, one, late, early, cfg, xp=np)
   assert not maybe_visible(one, 2 * one, late, early, cfg, xp=np)  # other document
   assert not maybe_visible(0 * one, one, late, early, cfg, xp=np)  # padding queries
-  win = AttnConfig(causal=True, window_size=2)
+  win = AttentionOptions(causal=True, window_size=2)
   far = early + 10
   assert not maybe_visible(one, one, far, early, win, xp=np)  # beyond the window
-  assert maybe_visible(one, one, far, early, AttnConfig(causal=False), xp=np)
+  assert maybe_visible(one, one, far, early, AttentionOptions(causal=False), xp=np)
 
 
-HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+HEADS = dict(dims=AttentionDims(num_heads=32, num_kv_heads=8, head_dim=128, v_head_dim=128))
 
 
 def test_auto_prefers_all_gather_when_kv_fits(caplog):
@@ -197,12 +201,12 @@ def test_auto_moves_to_ulysses_then_ring_as_memory_tightens():
   assert s == "ulysses", reason
   assert "all_gather: estimated" in reason
   # 6 kv heads do not divide by 8: ring.
-  s, reason = choose_strategy(
-    mesh_shape={"context": 8}, **{**kw, "num_kv_heads": 6, "num_q_heads": 24}
-  )
+  gqa6 = AttentionDims(num_heads=24, num_kv_heads=6, head_dim=128, v_head_dim=128)
+  s, reason = choose_strategy(mesh_shape={"context": 8}, **{**kw, "dims": gqa6})
   assert s == "ring" and "[ulysses-heads]" in reason
   # MLA (value dim != qk dim) goes to ring.
-  s, _ = choose_strategy(mesh_shape={"context": 8}, v_head_dim=64, **kw)
+  mla = AttentionDims(num_heads=32, num_kv_heads=8, head_dim=128, v_head_dim=64)
+  s, _ = choose_strategy(mesh_shape={"context": 8}, **{**kw, "dims": mla})
   assert s == "ring"
   # A mesh with a ulysses axis: usp.
   s, _ = choose_strategy(mesh_shape={"context": 4, "context_ulysses": 2}, **kw)
@@ -218,9 +222,7 @@ def test_auto_raises_when_nothing_is_valid():
     choose_strategy(
       mesh_shape={"context": 1, "context_ulysses": 8},
       seq_len=4100,
-      num_q_heads=8,
-      num_kv_heads=1,
-      head_dim=64,
+      dims=AttentionDims(num_heads=8, num_kv_heads=1, head_dim=64, v_head_dim=64),
     )
 
 
@@ -244,11 +246,11 @@ def test_zigzag_ring_size_and_default_load_balance():
 def test_ring_sub_chunks_bounds_the_kernel_call_length():
   from lctx.parallel.block_ops import ring_sub_chunks
 
-  auto = AttnConfig()
+  auto = ContextOptions()
   assert ring_sub_chunks(auto, 4096) == 1
   assert ring_sub_chunks(auto, 8192) == 4
   assert ring_sub_chunks(auto, 16384) == 8  # 128K tokens over 8 devices
   assert ring_sub_chunks(auto, 1 << 17) == 8  # capped at max_sub_chunks
   assert ring_sub_chunks(auto, 3 * 4096) == 8  # 1536-token pieces
-  assert ring_sub_chunks(AttnConfig(sub_chunks=2), 16384) == 2
-  assert ring_sub_chunks(AttnConfig(sub_chunks=3), 16) == 1  # must divide
+  assert ring_sub_chunks(ContextOptions(sub_chunks=2), 16384) == 2
+  assert ring_sub_chunks(ContextOptions(sub_chunks=3), 16) == 1  # must divide

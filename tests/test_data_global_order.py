@@ -28,8 +28,9 @@ PARAMS = [  # a tiny model and a few steps; the data settings stay local_cpu.gin
   "TrainConfig.checkpoint_every = 2",
   "TrainConfig.async_checkpoint = False",
   "TrainConfig.warmup_steps = 2",
-  "TrainConfig.attention_block_q = 16",
-  "TrainConfig.attention_block_kv = 16",
+  "TrainConfig.attention_options = @AttentionOptions()",
+  "AttentionOptions.block_q = 16",
+  "AttentionOptions.block_kv = 16",
 ]
 
 

@@ -4,6 +4,7 @@ import numpy as np
 
 from lctx import models
 from lctx.data import DataConfig, make_iterator
+from lctx.kernels import AttentionOptions
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -37,8 +38,7 @@ def test_changing_one_packed_document_leaves_the_others_unchanged():
       batch_size=2,
       seq_len=seq,
       context_parallel_strategy="ring",
-      attention_block_q=32,
-      attention_block_kv=32,
+      attention_options=AttentionOptions(block_q=32, block_kv=32),
     ),
     mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, context=4)),
   )

@@ -14,6 +14,7 @@ from lctx import init_from
 from lctx import train as train_lib
 from lctx.data import DataConfig
 from lctx.evals import EvalConfig, run_evals
+from lctx.kernels import AttentionOptions
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig
 
@@ -64,8 +65,7 @@ def test_eval_mode_scores_an_imported_model_as_transformers_does(hf_dir, tmp_pat
       async_checkpoint=False,
       init_params_from=hf_dir,
       context_parallel_strategy="ring",
-      attention_block_q=16,
-      attention_block_kv=16,
+      attention_options=AttentionOptions(block_q=16, block_kv=16),
     ),
     mesh=mesh_lib.MeshConfig(data=2, context=4),
     evals=evals,

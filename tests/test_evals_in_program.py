@@ -19,6 +19,7 @@ from lctx import models
 from lctx.data.tokenizers import ByteTokenizer
 from lctx.evals import TASKS, EvalConfig, run_evals
 from lctx.evals.scoring import logits_scorer
+from lctx.kernels import AttentionOptions
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -48,8 +49,7 @@ def _trainer(strategy, **train):
     batch_size=4,
     seq_len=128,
     context_parallel_strategy=strategy,
-    attention_block_q=16,
-    attention_block_kv=16,
+    attention_options=AttentionOptions(block_q=16, block_kv=16),
     **train,
   )
   return Trainer(TINY, cfg, mesh_lib.make_mesh(MESHES[strategy]))
@@ -187,8 +187,7 @@ def test_the_compiled_eval_step_holds_no_batch_by_length_by_vocab_buffer():
       seq_len=t,
       context_parallel_strategy="none",
       loss_chunk_size=64,
-      attention_block_q=64,
-      attention_block_kv=64,
+      attention_options=AttentionOptions(block_q=64, block_kv=64),
     ),
     mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), devices=jax.devices()[:1]),
   )

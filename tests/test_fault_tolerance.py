@@ -49,8 +49,9 @@ PARAMS = [
   "TrainConfig.checkpoint_every = 3",
   "TrainConfig.async_checkpoint = False",
   "TrainConfig.warmup_steps = 2",
-  "TrainConfig.attention_block_q = 16",
-  "TrainConfig.attention_block_kv = 16",
+  "TrainConfig.attention_options = @AttentionOptions()",
+  "AttentionOptions.block_q = 16",
+  "AttentionOptions.block_kv = 16",
 ]
 PROFILE = (2, 4)
 MAKE_DATA_ITERATOR = train_lib.make_data_iterator

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from lctx.kernels import reference_attention
-from lctx.parallel import make_attention_fn
 from lctx.parallel.mesh import mesh_shape
 from lctx.parallel.validation import zigzag_ring_size
 from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
@@ -32,7 +31,7 @@ def _inputs(heads="gqa", seed=0):
 
 def _call(strategy, mesh, lb, window, window_aware):
   """The attention call on natural-order global arrays (zigzag done around it)."""
-  fn = make_attention_fn(mesh, strategy, load_balance=lb, window_aware=window_aware)
+  fn = helpers.strategy_attention_fn(mesh, strategy, load_balance=lb, window_aware=window_aware)
   ring = zigzag_ring_size(mesh_shape(mesh))
   seg, pos = helpers.packed_segments(B, T)
   if lb:

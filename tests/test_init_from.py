@@ -15,6 +15,7 @@ from lctx import checkpoint as ckpt_lib
 from lctx import init_from, models
 from lctx import train as train_lib
 from lctx.data import DataConfig
+from lctx.kernels import AttentionOptions
 from lctx.models import config as config_lib
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
@@ -32,7 +33,7 @@ STAGE1_TRAIN = dict(
   warmup_steps=1,
   learning_rate=3e-3,
   context_parallel_strategy="none",
-  attention_backend="reference",  # the quickest to compile
+  attention_options=AttentionOptions(backend="reference"),
   eval_batches=1,
 )
 STAGE1_MESH = mesh_lib.MeshConfig(data=4, fsdp=2, context=1)

@@ -17,6 +17,7 @@ import pytest
 from lctx import configs, gin_utils, init_from  # noqa: F401  (configs registers the gin names)
 from lctx import train as train_lib
 from lctx.data import DataConfig
+from lctx.kernels import AttentionOptions
 from lctx.models import hf
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
@@ -56,7 +57,7 @@ def _train(**overrides):
     async_checkpoint=False,
     eval_batches=1,
     context_parallel_strategy="none",
-    attention_backend="reference",  # the quickest to compile
+    attention_options=AttentionOptions(backend="reference"),
   )
   return TrainConfig(**{**train, **overrides})
 

@@ -7,6 +7,7 @@ import pytest
 
 from lctx.kernels import (
   MASKED_LSE,
+  AttentionOptions,
   attention_block_backward,
   attention_block_forward,
   blockwise_block_counts,
@@ -65,9 +66,12 @@ def test_blocks_are_skipped(kind):
   if "q_positions" in kw:
     kw["kv_positions"] = kw["q_positions"]
   q, k, v = _qkv(1, t, t, 2, 1, 8)
-  counts, out = jax.jit(
-    lambda q, k, v: blockwise_block_counts(q, k, v, block_q=bq, block_kv=bq, **kw)
-  )(q, k, v)
+  mask = {n: kw[n] for n in ("causal", "window_size") if n in kw}
+  options = AttentionOptions(block_q=bq, block_kv=bq, **mask)
+  inputs = {n: x for n, x in kw.items() if n not in mask}
+  counts, out = jax.jit(lambda q, k, v: blockwise_block_counts(q, k, v, options=options, **inputs))(
+    q, k, v
+  )
   live, partial = _expected_counts(t, bq, bq, **dict(kw))
   assert live < (t // bq) ** 2
   assert (int(counts[0, 0]), int(counts[0, 1])) == (live, partial)
@@ -108,7 +112,7 @@ def test_ring_block_api_merges_to_full_attention():
     [np.concatenate([np.arange(40), np.arange(50), np.zeros(6)]), np.arange(t)]
   ).astype(np.int32)
   q, k, v = _qkv(2, t, t, 4, 2, 16, vd=8)
-  mask = dict(causal=True, window_size=None, softmax_scale=None, block_q=32, block_kv=16)
+  mask = dict(options=AttentionOptions(block_q=32, block_kv=16))
   halves = [slice(0, 48), slice(48, 96)]
   parts = [
     attention_block_forward(
@@ -183,7 +187,9 @@ def test_splash_wrapper_in_interpret_mode():
   t = 256
   seg = np.stack([_docs(t, [100, 120]), _docs(t, [256])])
   q, k, v = _qkv(2, t, t, 4, 2, 16)
-  got = splash_attention(q, k, v, segment_ids=seg, block_q=128, block_kv=128, interpret=True)
+  got = splash_attention(
+    q, k, v, segment_ids=seg, options=AttentionOptions(block_q=128, block_kv=128), interpret=True
+  )
   np.testing.assert_allclose(got, reference_attention(q, k, v, segment_ids=seg), atol=2e-5)
 
 
@@ -263,7 +269,7 @@ def test_kernel_runs_inside_shard_map():
   t, c = 128, 32
   q, k, v = _qkv(1, t, t, 4, 2, 16)
   pos = jnp.arange(t, dtype=jnp.int32)[None]
-  blk = dict(causal=True, window_size=None, softmax_scale=None, block_q=16, block_kv=16)
+  blk = dict(options=AttentionOptions(block_q=16, block_kv=16))
 
   def local(q, k, v, pos):
     out, lse = attention_block_forward(

@@ -32,7 +32,7 @@ from lctx import configs, gin_utils, models  # noqa: E402
 from lctx.kernels import flash, reference_attention, splash  # noqa: E402
 from lctx.kernels.options import AttentionOptions  # noqa: E402
 from lctx.kernels.splash_tiling import bwd_tiles, dq_partials_bytes  # noqa: E402
-from lctx.parallel import context_attention, make_attention_fn  # noqa: E402
+from lctx.parallel import context_attention  # noqa: E402
 from lctx.parallel import mesh as mesh_lib  # noqa: E402
 from lctx.parallel.local import local_attention_fn  # noqa: E402
 from lctx.parallel.zigzag import zigzag_reorder  # noqa: E402
@@ -135,9 +135,7 @@ def test_ring_block_api_on_a_visiting_zigzag_block(budget, monkeypatch):
       q_positions=pos[:, t:],
       kv_positions=pos[:, rows],
       layout=splash.Layout(order, jnp.int32(t), jnp.int32(start)),
-      backend="splash",
-      platform="cpu",
-      **kw,
+      options=AttentionOptions(backend="splash", platform="cpu", **kw),
     )
 
   def fwd(s, r):
@@ -285,12 +283,7 @@ def test_explicit_splash_refuses_and_auto_falls_back_with_one_log(caplog):
       kv_segment_ids=None,
       q_positions=pos,
       kv_positions=np.arange(384)[None],
-      causal=True,
-      window_size=None,
-      softmax_scale=None,
-      block_q=128,
-      block_kv=128,
-      backend="splash",
+      options=AttentionOptions(block_q=128, block_kv=128, backend="splash"),
       layout=layout,
     )
   flash._FALLBACKS_LOGGED.clear()  # pylint: disable=protected-access
@@ -320,7 +313,9 @@ def test_local_plugin_on_splash_matches_reference(heads):
   q, k, v = _qkv(heads, b, t)
   seg, pos = helpers.packed_segments(b, t)
   kw = dict(segment_ids=seg, window_size=100)
-  attn = local_attention_fn(kernel_backend="splash", block_q=128, block_kv=128, mesh=mesh)
+  attn = local_attention_fn(
+    AttentionOptions(backend="splash", block_q=128, block_kv=128), mesh=mesh
+  )
   out, vjp = jax.vjp(jax.jit(lambda q, k, v: attn(q, k, v, positions=pos, **kw)), q, k, v)
   ro, rvjp = jax.vjp(
     lambda q, k, v: reference_attention(q, k, v, q_positions=pos, kv_positions=pos, **kw), q, k, v
@@ -338,11 +333,11 @@ def test_local_plugin_without_natural_order_refuses_splash(caplog):
   q, k, v = _qkv("gqa16", 1, 128)
   pos = np.arange(128)[None]
   seg = np.ones((1, 128), np.int32)
-  attn = local_attention_fn(kernel_backend="splash", natural_order=False)
+  attn = local_attention_fn(AttentionOptions(backend="splash"), natural_order=False)
   with pytest.raises(ValueError, match="backend='splash'.*token layout"):
     attn(q, k, v, segment_ids=seg, positions=pos)
   flash._FALLBACKS_LOGGED.clear()  # pylint: disable=protected-access
-  auto = local_attention_fn(platform="tpu", natural_order=False)
+  auto = local_attention_fn(AttentionOptions(platform="tpu"), natural_order=False)
   with caplog.at_level(logging.WARNING):
     for _ in range(2):
       jax.eval_shape(lambda q, k, v: auto(q, k, v, segment_ids=seg, positions=pos), q, k, v)
@@ -433,8 +428,8 @@ def test_ring_train_path_on_splash():
   q, k, v = _qkv("gqa16", b, t)
   seg, pos = helpers.packed_segments(b, t)
   kw = dict(segment_ids=seg, positions=pos, window_size=300)
-  attn = make_attention_fn(
-    mesh, "ring", load_balance=True, sub_chunks=2, kernel_backend="splash", block_q=128
+  attn = helpers.strategy_attention_fn(
+    mesh, "ring", load_balance=True, sub_chunks=2, backend="splash", block_q=128
   )
   zz = lambda x: zigzag_reorder(x, 4, axis=1)  # noqa: E731
   kwz = {n: zz(x) if n != "window_size" else x for n, x in kw.items()}

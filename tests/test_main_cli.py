@@ -81,8 +81,13 @@ def test_local_run_prints_no_plugin_errors(tmp_path):
       "[ulysses-heads]",
       "--gin_param",
     ),
+    (
+      ["--gin_file=gin/local_cpu.gin", "--gin_param=TrainConfig.attention_block_q = 128"],
+      "TrainConfig.attention_block_q moved to AttentionOptions.block_q",
+      "bind TrainConfig.attention_options = @AttentionOptions()",
+    ),
   ],
-  ids=["gin-typo", "missing-file", "compile-no-target", "invalid-strategy"],
+  ids=["gin-typo", "missing-file", "compile-no-target", "invalid-strategy", "moved-binding"],
 )
 def test_bad_input_is_one_line(args, cause, fix, tmp_path):
   proc = _main(*args, f"--workdir={tmp_path}")
@@ -116,8 +121,9 @@ TINY = [
   "ModelConfig.mlp_chunk_size = None",
   "TrainConfig.seq_len = 16384",
   "TrainConfig.loss_chunk_size = 1024",
-  "TrainConfig.attention_block_q = 512",
-  "TrainConfig.attention_block_kv = 512",
+  "TrainConfig.attention_options = @AttentionOptions()",
+  "AttentionOptions.block_q = 512",
+  "AttentionOptions.block_kv = 512",
 ]
 
 

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from lctx.kernels import AttentionOptions
+from lctx.parallel import AttentionDims
 from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
 
 devices_lib.compile_only_env()
@@ -36,10 +38,11 @@ GiB = 2**30
 LLAMA_8B = dataclasses.asdict(configs.model_config("llama3_8b", mlp_chunk_size=32768))
 
 
-def _exp(model: dict, *, seq_len: int, batch_size: int = 1, mesh=None, **train):
+def _exp(model: dict, *, seq_len: int, batch_size: int = 1, mesh=None, attention=None, **train):
   strategy = train.pop("strategy", "ring")
+  options = AttentionOptions(**{"block_q": 2048, "block_kv": 2048, **(attention or {})})
   train = dict(
-    dict(loss_chunk_size=8192, attention_block_q=2048, attention_block_kv=2048),
+    dict(loss_chunk_size=8192, attention_options=options),
     batch_size=batch_size,
     seq_len=seq_len,
     context_parallel_strategy=strategy,
@@ -207,14 +210,14 @@ def test_all_gather_grows_with_the_whole_sequence_ring_with_the_shard():
 
 def test_the_kernel_follows_attention_backend_and_the_platform():
   """'auto' is splash on TPU, blockwise elsewhere (as lctx/kernels/flash.py picks)."""
-  exp = _exp(LLAMA_8B, seq_len=1 << 20, batch_size=8, attention_backend="auto")
+  exp = _exp(LLAMA_8B, seq_len=1 << 20, batch_size=8, attention=dict(backend="auto"))
   assert planner.plan(exp, hardware="v5p-64")["configured"]["setup"]["attention_kernel"] == (
     "splash"
   )
   assert planner.plan(exp, hardware="h100x8")["configured"]["setup"]["attention_kernel"] == (
     "blockwise"
   )
-  pinned = _exp(LLAMA_8B, seq_len=1 << 20, batch_size=8, attention_backend="blockwise")
+  pinned = _exp(LLAMA_8B, seq_len=1 << 20, batch_size=8, attention=dict(backend="blockwise"))
   rec = planner.plan(pinned, hardware="v5p-64")
   assert rec["configured"]["setup"]["attention_kernel"] == "blockwise"
   assert rec["smallest"]["setup"]["attention_kernel"] == "blockwise"
@@ -260,9 +263,8 @@ def test_unknown_policy_and_strategy_are_clear_errors():
 
 
 def test_auto_sizes_attention_with_the_memory_model_and_the_resolved_kernel():
-  kw = dict(
-    mesh_shape={"context": 8}, num_q_heads=32, num_kv_heads=8, seq_len=1 << 20, head_dim=128
-  )
+  heads = AttentionDims(num_heads=32, num_kv_heads=8, head_dim=128, v_head_dim=128)
+  kw = dict(mesh_shape={"context": 8}, dims=heads, seq_len=1 << 20)
   dims = mm.ModelDims(0, 0, 0, 32, 8, 128, 128, 0, 0, 0)
   for s in ("all_gather", "ulysses", "ring"):
     for kernel in mm.KERNELS:
@@ -461,7 +463,8 @@ def test_planner_is_within_15_percent_of_the_bench_memory_matrix(
   bench = _script("bench_memory")
   exp = bench.experiment(bench.cell_params(strategy, topology, bench.LENGTHS[length]))
   # The cells were compiled before splash's fused backward: the two-pass programs.
-  exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, attention_fused_bwd=False))
+  no_fused = dataclasses.replace(exp.train.attention_options, fused_bwd=False)
+  exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, attention_options=no_fused))
   est = bench.planner_row(exp, topology)["planner_total_bytes"] / GiB
   err = (est - compiled_gib) / compiled_gib
   assert abs(err) <= 0.15, f"planner {est:.2f} vs compiled {compiled_gib:.2f} GiB ({err:+.1%})"
@@ -637,10 +640,8 @@ def test_planner_is_within_15_percent_of_the_compiler(
     strategy=strategy,
     mesh=MeshConfig(**mesh),
     loss_chunk_size=loss_chunk,
-    attention_block_q=512,
-    attention_block_kv=512,
     # 'auto' is what the flagship files run: splash on these TPU devices.
-    attention_backend="auto" if kernel == "splash" else kernel,
+    attention=dict(block_q=512, block_kv=512, backend="auto" if kernel == "splash" else kernel),
   )
   record = _compile(exp, topology)
   assert record["fits"], record
@@ -664,9 +665,7 @@ def test_plan_then_compile_hands_the_winner_to_the_compiler(tmp_path):
     {**tiny, "remat_policy": "full"},
     seq_len=4096,
     loss_chunk_size=1024,
-    attention_block_q=512,
-    attention_block_kv=512,
-    attention_backend="blockwise",
+    attention_options=AttentionOptions(block_q=512, block_kv=512, backend="blockwise"),
   )
   rec = planner.run_plan(exp, str(tmp_path), hardware="v5p:2x2x1", plan_then_compile=True)
   compiled = rec["compiled"]
@@ -776,9 +775,7 @@ def test_planner_held_out_within_15_percent(
     strategy=strategy,
     mesh=MeshConfig(**mesh),
     loss_chunk_size=loss_chunk,
-    attention_block_q=512,
-    attention_block_kv=512,
-    attention_backend=kernel,
+    attention_options=AttentionOptions(block_q=512, block_kv=512, backend=kernel),
   )
   record = _compile(exp, topology)
   assert record["attention_backend"] == kernel
@@ -975,8 +972,7 @@ def test_planner_predicts_the_strategy_the_run_takes(model, topology, mesh, gib,
     mesh=MeshConfig(**mesh),
     strategy="auto",
     device_memory_gib=gib,
-    attention_block_q=512,
-    attention_block_kv=512,
+    attention_options=AttentionOptions(block_q=512, block_kv=512),
   )
   run_mesh = mesh_lib.make_mesh(exp.mesh, devices=tpu_lib.topology_devices(topology))
   ran = Trainer(exp.model, exp.train, run_mesh).plan.strategy
@@ -999,9 +995,7 @@ def _step_exp(remat="full", seq_len=16384):
     {**SMALL, "remat_policy": remat},
     seq_len=seq_len,
     loss_chunk_size=1024,
-    attention_block_q=512,
-    attention_block_kv=512,
-    attention_backend="auto",
+    attention_options=AttentionOptions(block_q=512, block_kv=512, backend="auto"),
   )
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 # Read when libtpu loads (the first topology call), so before any test runs.
+from lctx.kernels import AttentionOptions
 from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
 
 devices_lib.compile_only_env()
@@ -326,8 +327,7 @@ def test_state_offload_step_runs_on_cpu_and_matches():
       batch_size=2,
       seq_len=64,
       context_parallel_strategy="ring",
-      attention_block_q=16,
-      attention_block_kv=16,
+      attention_options=AttentionOptions(block_q=16, block_kv=16),
       offload_optimizer_state=offload,
       offload_params=offload,
     )

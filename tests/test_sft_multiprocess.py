@@ -24,8 +24,9 @@ PARAMS = [  # a tiny model from scratch and a few steps; data, mesh and strategy
   "TrainConfig.log_every = 1",
   "TrainConfig.checkpoint_every = 0",
   "TrainConfig.warmup_steps = 2",
-  "TrainConfig.attention_block_q = 64",
-  "TrainConfig.attention_block_kv = 64",
+  "TrainConfig.attention_options = @AttentionOptions()",
+  "AttentionOptions.block_q = 64",
+  "AttentionOptions.block_kv = 64",
   "DataConfig.num_packing_bins = 16",
 ]
 

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from lctx import models
+from lctx.kernels import AttentionOptions
+from lctx.parallel import ContextOptions
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -58,9 +60,8 @@ def _trainer(strategy, mesh_kw, zigzag, devices=None, model=MODEL):
     batch_size=B,
     seq_len=T,
     context_parallel_strategy=strategy,
-    load_balance=zigzag,
-    attention_block_q=8,
-    attention_block_kv=8,
+    context_options=ContextOptions(load_balance=zigzag),
+    attention_options=AttentionOptions(block_q=8, block_kv=8),
   )
   return Trainer(model, cfg, mesh)
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from lctx import models
-from lctx.kernels import chunked_cross_entropy
+from lctx.kernels import AttentionOptions, chunked_cross_entropy
+from lctx.parallel import ContextOptions
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -110,15 +111,14 @@ def _case_id(case):
 )
 def test_hybrid_step_matches_single_device(strategy, model_cfg, mesh_kw, zigzag):
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(**{"context": 1, **mesh_kw}))
-  kw = {} if zigzag is None else dict(load_balance=zigzag)
+  kw = {} if zigzag is None else dict(context_options=ContextOptions(load_balance=zigzag))
   trainer = Trainer(
     model_cfg,
     TrainConfig(
       batch_size=B,
       seq_len=T,
       context_parallel_strategy=strategy,
-      attention_block_q=8,
-      attention_block_kv=8,
+      attention_options=AttentionOptions(block_q=8, block_kv=8),
       **kw,
     ),
     mesh,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lctx import models
-from lctx.kernels import chunked_cross_entropy
+from lctx.kernels import AttentionOptions, chunked_cross_entropy
 from lctx.parallel import halo
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
@@ -128,8 +128,7 @@ def test_model_step_matches_single_device(strategy, model_cfg, mesh_kw, monkeypa
       batch_size=B,
       seq_len=T,
       context_parallel_strategy=strategy,
-      attention_block_q=8,
-      attention_block_kv=8,
+      attention_options=AttentionOptions(block_q=8, block_kv=8),
     ),
     mesh,
   )

@@ -12,6 +12,8 @@ from lctx import checkpoint as ckpt_lib
 from lctx import configs, gin_utils, models  # noqa: F401  (configs registers the gin names)
 from lctx import train as train_lib
 from lctx.data import DataConfig
+from lctx.kernels import AttentionOptions
+from lctx.parallel import ContextOptions
 from lctx.parallel import mesh as mesh_lib
 from lctx.trainer import TrainConfig, Trainer
 
@@ -31,8 +33,7 @@ def _experiment(**train_overrides):
     async_checkpoint=False,
     warmup_steps=2,
     context_parallel_strategy="ring",
-    attention_block_q=16,
-    attention_block_kv=16,
+    attention_options=AttentionOptions(block_q=16, block_kv=16),
     eval_batches=1,
   )
   train.update(train_overrides)
@@ -123,11 +124,9 @@ def test_batch_not_divisible_by_data_axes_is_an_error():
   "field, value, message",
   [
     ("cpu_vector_width", 300, "cpu_vector_width must be None, 128, 256 or 512"),
-    ("attention_block_q_bwd", 0, "attention_block_q_bwd must be None or a positive"),
     ("max_skipped_steps", 0, "max_skipped_steps must be a positive int"),
     ("profile_steps", (5, 2), "profile_steps must be None or \\(start, stop\\)"),
     ("context_parallel_strategy", "zigzag", "context_parallel_strategy must be one of"),
-    ("attention_backend", "fast", "attention_backend must be one of"),
   ],
 )
 def test_bad_cpu_and_block_settings_are_errors(field, value, message):
@@ -195,8 +194,8 @@ def test_in_loop_retrieval_evals_class_cells_of_a_windowed_model(tmp_path):
   assert any("eval/passkey/acc_beyond" in r for r in _metrics(str(tmp_path)))
 
 
-def test_ulysses_head_chunks_reach_the_train_step():
-  # TrainConfig.ulysses_head_chunks -> ContextPlan -> UPipe stages; same loss and
+def test_head_chunks_reach_the_train_step():
+  # ContextOptions.head_chunks -> ContextPlan -> UPipe stages; same loss and
   # gradients as all heads at once (4 q / 2 kv heads over a ulysses degree of 2).
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, context=2))
   rng = np.random.default_rng(0)
@@ -211,7 +210,10 @@ def test_ulysses_head_chunks_reach_the_train_step():
   results = []
   for chunks in (None, 2):
     cfg = TrainConfig(
-      batch_size=4, seq_len=64, context_parallel_strategy="ulysses", ulysses_head_chunks=chunks
+      batch_size=4,
+      seq_len=64,
+      context_parallel_strategy="ulysses",
+      context_options=ContextOptions(head_chunks=chunks),
     )
     trainer = Trainer(TINY, cfg, mesh)
     assert trainer.plan.head_chunks == chunks
@@ -228,14 +230,17 @@ def test_ulysses_head_chunks_reach_the_train_step():
   with pytest.raises(ValueError, match="head_chunks.*strategy 'none'"):
     Trainer(
       TINY,
-      TrainConfig(batch_size=8, seq_len=64, ulysses_head_chunks=2),
+      TrainConfig(batch_size=8, seq_len=64, context_options=ContextOptions(head_chunks=2)),
       mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8, context=1)),
     )
   with pytest.raises(ValueError, match="head_chunks"):
     Trainer(
       TINY,
       TrainConfig(
-        batch_size=4, seq_len=64, context_parallel_strategy="ring", ulysses_head_chunks=2
+        batch_size=4,
+        seq_len=64,
+        context_parallel_strategy="ring",
+        context_options=ContextOptions(head_chunks=2),
       ),
       mesh,
     )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lctx.kernels import reference_attention
-from lctx.parallel import SequenceMixer, context_attention, make_attention_fn
+from lctx.parallel import SequenceMixer, context_attention
 from lctx.parallel.context import stage_heads
 from lctx.parallel.upipe import stage_shape
 from lctx.parallel.zigzag import zigzag_permute_local, zigzag_reorder
@@ -48,8 +48,8 @@ def test_head_chunks_equal_unchunked_and_reference(strategy, mesh_name, n, kh, c
   q, k, v, w = _qkvw(n, kh)
   seg, pos = helpers.packed_segments(q.shape[0], q.shape[1])
   kw = dict(segment_ids=seg, positions=pos)
-  chunked = make_attention_fn(mesh, strategy, ulysses_head_chunks=chunks, block_q=8, block_kv=8)
-  plain = make_attention_fn(mesh, strategy, block_q=8, block_kv=8)
+  chunked = helpers.strategy_attention_fn(mesh, strategy, head_chunks=chunks, block_q=8, block_kv=8)
+  plain = helpers.strategy_attention_fn(mesh, strategy, block_q=8, block_kv=8)
 
   def ref(q, k, v):
     return reference_attention(q, k, v, segment_ids=seg, q_positions=pos, kv_positions=pos)
@@ -91,7 +91,7 @@ def test_stage_shape_rules(args, message):
 
 def test_head_chunks_only_for_all_to_all_strategies():
   with pytest.raises(ValueError, match=r"\[head-chunks\].*not 'ring'"):
-    make_attention_fn(helpers.mesh("c8"), "ring", ulysses_head_chunks=2)
+    helpers.strategy_attention_fn(helpers.mesh("c8"), "ring", head_chunks=2)
 
 
 def _compiled_temp(fn, *shapes):
@@ -111,7 +111,7 @@ def test_head_chunks_shrink_the_compiled_working_set(strategy, mesh_name):
   kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.float32)
 
   def temp(chunks):
-    attn = make_attention_fn(mesh, strategy, ulysses_head_chunks=chunks, kernel_backend="blockwise")
+    attn = helpers.strategy_attention_fn(mesh, strategy, head_chunks=chunks, backend="blockwise")
     return _compiled_temp(jax.grad(lambda q, k, v: attn(q, k, v).sum(), (0, 1, 2)), q, kv, kv)
 
   plain, chunked = temp(None), temp(8)
@@ -169,7 +169,7 @@ def test_zigzag_permute_local_matches_the_host_reorder(ring, ways):
   ],
 )
 def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chunks):
-  """TrainConfig.ulysses_stage_projections: the attention layer projecting q/k/v and
+  """ContextOptions.stage_projections: the attention layer projecting q/k/v and
   the output one head stage at a time equals the layer run whole (plain strategy)
   and the plain-jnp reference, values and gradients (input and weights), packed."""
   from lctx.models.attention import GQAAttention, reference_attention_fn
@@ -183,7 +183,7 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
   b, t = 2, 32
   x = jax.random.normal(jax.random.key(1), (b, t, cfg.d_model))
   seg, pos = helpers.packed_segments(b, t)
-  plain = make_attention_fn(mesh, strategy, block_q=8, block_kv=8)
+  plain = helpers.strategy_attention_fn(mesh, strategy, block_q=8, block_kv=8)
   staged = SequenceMixer(attention=plain, head_stages=stage_heads(mesh, strategy, chunks))
   assert staged.head_stages(n, kh)[0].shape == (chunks, n // chunks)
   params = GQAAttention(cfg, reference_attention_fn).init(jax.random.key(0), x, seg, pos)
@@ -205,7 +205,7 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
 
 
 def test_stage_projections_rules():
-  with pytest.raises(ValueError, match=r"\[head-chunks\].*needs ulysses_head_chunks >= 2"):
+  with pytest.raises(ValueError, match=r"\[head-chunks\].*needs head_chunks >= 2"):
     stage_heads(helpers.mesh("c8"), "ulysses", None)
   with pytest.raises(ValueError, match=r"\[head-chunks\].*needs tensor = 1"):
     stage_heads(helpers.mesh("t2c4"), "ulysses", 2)
@@ -214,9 +214,11 @@ def test_stage_projections_rules():
 
 
 def test_stage_projections_refused_without_an_all_to_all():
-  from lctx.parallel.plan import AttentionDims, make_context_plan
+  from lctx.parallel import AttentionDims, ContextOptions, make_context_plan
 
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
-  dims = AttentionDims(num_q_heads=8, num_kv_heads=8, head_dim=16, v_head_dim=16)
+  dims = AttentionDims(num_heads=8, num_kv_heads=8, head_dim=16, v_head_dim=16)
   with pytest.raises(ValueError, match=r"\[head-chunks\].*strategy 'none' has none"):
-    make_context_plan(mesh, dims, seq_len=64, batch_size=8, stage_projections=True)
+    make_context_plan(
+      mesh, dims, seq_len=64, batch_size=8, context=ContextOptions(stage_projections=True)
+    )

@@ -2,8 +2,8 @@
 
 Where things are:
 - options.py: `AttentionOptions`, the one object that carries the attention
-  settings (mask, blocks, backend, platform, strategy knobs) to every kernel,
-  and their validation;
+  settings (mask, blocks, backend, platform) to every kernel, and their
+  validation (the strategies' settings are lctx.parallel.ContextOptions);
 - flash.py: `flash_attention` and the ring block API, and the one place a
   backend is chosen (`choose_backend`, by platform and mask);
 - blockwise.py / blockwise_core.py: the pure-JAX block-sparse kernel (wrappers,

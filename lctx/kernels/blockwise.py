@@ -23,11 +23,13 @@ from lctx.kernels.masking import (
   normalize_mask_args,
   pad_axis,
 )
-from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.options import AttentionOptions
 from lctx.kernels.remat_tags import tag_residuals
 from lctx.kernels.shard_typing import cotangent_like
 
 _F32 = jnp.float32
+
+_DEFAULTS = AttentionOptions()
 
 
 def _block_sizes(t, s, block_q, block_kv):
@@ -189,31 +191,14 @@ def blockwise_attention(
   segment_ids=None,
   q_positions=None,
   kv_positions=None,
-  causal=True,
-  window_size=None,
-  softmax_scale=None,
   return_lse=False,
-  block_q=512,
-  block_kv=512,
-  block_q_bwd=None,
-  block_kv_bwd=None,
-  options: AttentionOptions | None = None,
+  options: AttentionOptions = _DEFAULTS,
 ):
   """Block-sparse flash attention (pure JAX). Same contract as
   `lctx.kernels.reference_attention`: out `[B, T, N, V]` in q.dtype, and lse
   `[B, N, T]` f32 when return_lse. Gradients flow through out and lse.
-  The mask and blocks come from `options` or the keywords (not both);
-  block_q_bwd, block_kv_bwd: blocks of the backward pass (None: the forward's)."""
-  options = options_from(
-    options,
-    causal=causal,
-    window_size=window_size,
-    softmax_scale=softmax_scale,
-    block_q=block_q,
-    block_kv=block_kv,
-    block_q_bwd=block_q_bwd,
-    block_kv_bwd=block_kv_bwd,
-  )
+  The mask and blocks come from `options` (block_q_bwd, block_kv_bwd: the
+  backward pass's blocks; None: the forward's)."""
   mask, cfg = _setup(q, k, v, segment_ids, q_positions, kv_positions, options)
   out, lse = _flash(q, k, v, mask, cfg)
   return (out, lse) if return_lse else out
@@ -227,16 +212,10 @@ def blockwise_block_counts(
   segment_ids=None,
   q_positions=None,
   kv_positions=None,
-  causal=True,
-  window_size=None,
-  block_q=512,
-  block_kv=512,
+  options: AttentionOptions = _DEFAULTS,
 ):
   """Debug: int32 `[B, 2]` = (blocks computed, of which masked) per example, counted
   inside the forward kernel's loop, plus the forward out. For tests of skipping."""
-  options = AttentionOptions(
-    causal=causal, window_size=window_size, block_q=block_q, block_kv=block_kv
-  )
   mask, cfg = _setup(q, k, v, segment_ids, q_positions, kv_positions, options, count_blocks=True)
   out, _, counts = _forward(q, k, v, mask, cfg)
   return counts, out.astype(q.dtype)

@@ -28,6 +28,9 @@ from lctx.kernels.shard_typing import cotangent_like, varying_like
 
 _Q_MULT, _KV_MULT = 8, 64  # the kernel's length granules (cpu_attention.cc)
 
+# The blocks this kernel runs best with on its own (flash_attention passes the caller's).
+DEFAULT_OPTIONS = AttentionOptions(block_q=64, block_kv=256)
+
 
 def auto_applies(q, k, v, platform: str) -> bool:
   """Whether backend "auto" takes this kernel: the CPU platform, inputs it takes,
@@ -208,27 +211,13 @@ def cpu_fused_attention(
   segment_ids=None,
   q_positions=None,
   kv_positions=None,
-  causal=True,
-  window_size=None,
-  softmax_scale=None,
   return_lse=False,
-  block_q=64,
-  block_kv=256,
-  block_q_bwd=None,
-  block_kv_bwd=None,
+  options: AttentionOptions = DEFAULT_OPTIONS,
 ):
   """Same contract as `lctx.kernels.reference_attention` (out `[B, T, N, V]`, and
-  lse `[B, N, T]` f32 when return_lse; differentiable through both). Blocks are
-  rounded down to the kernel's granules (q: 8 rows, kv: 64 keys)."""
-  options = AttentionOptions(
-    causal=causal,
-    window_size=window_size,
-    softmax_scale=softmax_scale,
-    block_q=block_q,
-    block_kv=block_kv,
-    block_q_bwd=block_q_bwd,
-    block_kv_bwd=block_kv_bwd,
-  )
+  lse `[B, N, T]` f32 when return_lse; differentiable through both). The mask
+  and blocks come from `options`; blocks are rounded down to the kernel's
+  granules (q: 8 rows, kv: 64 keys)."""
   return attend(
     q,
     k,

@@ -15,7 +15,8 @@ Backends (`BACKENDS`):
   else blockwise; passing over splash on 'tpu' logs its reason once.
 
 The settings travel as one `AttentionOptions` (options.py), which validates
-them; the keyword arguments of these entry points are its fields.
+them: every backend and the block API take it (`options=`) and nothing else;
+`flash_attention`, the public edge, also takes its fields as keywords.
 
 `platform` is the platform of the devices the computation runs on ('tpu',
 'gpu', 'cpu'). Callers that know their mesh pass it (a TPU compile started from
@@ -214,10 +215,11 @@ def _block_backend(q, k, v, backend: str, platform: str | None, layout, position
   return "blockwise"
 
 
-def _block_options(options, **fields) -> AttentionOptions:
+def _block_options(options: AttentionOptions) -> AttentionOptions:
   """The options of one block-API call: its backward uses the forward's blocks."""
-  opts = options_from(options, **fields)
-  return dataclasses.replace(opts, block_q_bwd=None, block_kv_bwd=None)
+  if not isinstance(options, AttentionOptions):
+    raise TypeError(f"options must be an AttentionOptions; got {type(options).__name__}")
+  return dataclasses.replace(options, block_q_bwd=None, block_kv_bwd=None)
 
 
 @flop_tags.in_attention_scope
@@ -230,15 +232,8 @@ def attention_block_forward(
   kv_segment_ids,
   q_positions,
   kv_positions,
-  causal=True,
-  window_size=None,
-  softmax_scale=None,
-  block_q=512,
-  block_kv=512,
-  backend="auto",
-  platform=None,
+  options: AttentionOptions,
   layout=None,
-  options: AttentionOptions | None = None,
 ):
   """Attention of q against one (e.g. visiting ring) K/V block, for merging.
 
@@ -248,18 +243,9 @@ def attention_block_forward(
   is 0). Merge two partials with lse = logaddexp(lse_a, lse_b),
   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse). Not differentiable
   by itself: use attention_block_backward in the caller's custom_vjp.
-  options / the keywords and layout: as flash_attention's.
+  options (mask, blocks, backend, platform) and layout: as flash_attention's.
   """
-  opts = _block_options(
-    options,
-    causal=causal,
-    window_size=window_size,
-    softmax_scale=softmax_scale,
-    block_q=block_q,
-    block_kv=block_kv,
-    backend=backend,
-    platform=platform,
-  )
+  opts = _block_options(options)
   segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   positions_given = q_positions is not None or kv_positions is not None
   kernel = _block_backend(q, k, v, opts.backend, opts.platform, layout, positions_given)
@@ -291,15 +277,8 @@ def attention_block_backward(
   kv_segment_ids,
   q_positions,
   kv_positions,
-  causal=True,
-  window_size=None,
-  softmax_scale=None,
-  block_q=512,
-  block_kv=512,
-  backend="auto",
-  platform=None,
+  options: AttentionOptions,
   layout=None,
-  options: AttentionOptions | None = None,
 ):
   """FA2 backward of one K/V block against the GLOBAL (merged) out and lse.
 
@@ -308,16 +287,7 @@ def attention_block_backward(
   dk `[B, S, K, H]`, dv `[B, S, K, V]`), float32, this block's contributions
   (sum dq over blocks; dk/dv belong to this block).
   """
-  opts = _block_options(
-    options,
-    causal=causal,
-    window_size=window_size,
-    softmax_scale=softmax_scale,
-    block_q=block_q,
-    block_kv=block_kv,
-    backend=backend,
-    platform=platform,
-  )
+  opts = _block_options(options)
   segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   positions_given = q_positions is not None or kv_positions is not None
   kernel = _block_backend(q, k, v, opts.backend, opts.platform, layout, positions_given)

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 
 from lctx.kernels import flop_tags
 from lctx.kernels.masking import check_shapes, default_scale, dense_mask, normalize_mask_args
-from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.options import AttentionOptions
+
+_DEFAULTS = AttentionOptions()
 
 
 def cudnn_unsupported(q, k, v, segment_ids, positions_given, window_size, return_lse) -> str:
@@ -44,16 +46,12 @@ def xla_attention(
   segment_ids=None,
   q_positions=None,
   kv_positions=None,
-  causal=True,
-  window_size=None,
-  softmax_scale=None,
-  options: AttentionOptions | None = None,
+  options: AttentionOptions = _DEFAULTS,
 ):
   """`jax.nn.dot_product_attention(implementation="xla")` with the full mask as a
   dense `[B, 1, T, S]` boolean; rows without keys give 0. Quadratic memory. The
-  mask comes from `options` or the keywords (not both)."""
-  o = options_from(options, causal=causal, window_size=window_size, softmax_scale=softmax_scale)
-  causal, window_size, softmax_scale = o.causal, o.window_size, o.softmax_scale
+  mask comes from `options`."""
+  causal, window_size, softmax_scale = options.causal, options.window_size, options.softmax_scale
   b, t, s, _, _, h, vd = check_shapes(q, k, v)
   if h != vd:
     raise ValueError(f"xla backend needs equal q/k and v head dims (got {h}, {vd})")
@@ -70,11 +68,10 @@ def xla_attention(
 CUDNN_TILE = 128
 
 
-def cudnn_attention(q, k, v, *, causal=True, softmax_scale=None, options=None):
+def cudnn_attention(q, k, v, *, options: AttentionOptions = _DEFAULTS):
   """cuDNN flash attention through jax.nn (callers check `cudnn_unsupported` first);
-  the mask from `options` or the keywords (not both)."""
-  o = options_from(options, causal=causal, softmax_scale=softmax_scale)
-  causal, softmax_scale = o.causal, o.softmax_scale
+  the mask from `options`."""
+  causal, softmax_scale = options.causal, options.softmax_scale
   b, t, s, n, _, h, vd = check_shapes(q, k, v)
   bq, bk = min(CUDNN_TILE, t), min(CUDNN_TILE, s)
   live = flop_tags.live_map(b, t, s, None, None, None, causal, None, bq, bk)

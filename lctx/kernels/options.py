@@ -1,9 +1,11 @@
 """`AttentionOptions`: the one object that carries attention settings to every kernel.
 
-TrainConfig's attention fields become one `AttentionOptions` (lctx/trainer.py);
-the context plan adds the mesh's platform and the batch's token order; the
-strategies (lctx/parallel) hand it to the ring/ulysses block API and to
-`flash_attention`, which hands it to the backend it picks. Frozen and made of
+Gin binds it as `TrainConfig.attention_options = @AttentionOptions()`; the
+context plan adds the mesh's platform; the strategies (lctx/parallel) hand it to
+the block API (`attention_block_forward` / `_backward`) and to
+`flash_attention`, which hands it to the backend it picks. Every kernel takes
+this object only; `flash_attention` (the public edge) also takes its fields as
+keywords (`options_from`). Frozen and made of
 plain scalars, so it is hashable: a static jit / custom_vjp argument and a key
 of the strategies' compile cache.
 
@@ -45,19 +47,8 @@ class AttentionOptions:
       blockwise and CPU kernels are single-pass already and ignore it.
     dq_partial_bytes: the most bytes of dq partials one fused splash backward
       call may write (summed over the batch and heads of the call).
-  Context strategies (lctx/parallel; the kernels ignore these):
-    token_order: the order of the global sequence the strategies shard, when
-      the batch is known to follow it (positions count up by one along the
-      natural order inside every segment, as the data pipeline makes them):
-      0 = natural, P = zigzag over ring size P (token_order.py). None:
-      unknown, so kernels that mask on the natural token index (splash) do not
-      take calls with positions.
-    sub_chunks: ring only: cut each hop into sub_chunks x sub_chunks (q, kv)
-      pairs, skipped independently, bounding the kernel's per-call temporaries.
-      None: one call per hop up to split_above tokens; above it, pieces of at
-      most piece_tokens, at most max_sub_chunks (the pairs run in one fori_loop).
-    head_chunks: ulysses / usp: run the all-to-all attention in this many head
-      stages (UPipe, lctx/parallel/upipe.py); None or 1: all heads at once.
+  The context strategies' settings (strategy, load balance, head stages, ring
+  pieces, token order) are lctx.parallel.ContextOptions, beside this object.
   """
 
   causal: bool = True
@@ -71,12 +62,6 @@ class AttentionOptions:
   platform: str | None = None
   fused_bwd: bool = True
   dq_partial_bytes: int = 1 << 30
-  token_order: int | None = None
-  sub_chunks: int | None = None
-  split_above: int = 4096
-  piece_tokens: int = 2048
-  max_sub_chunks: int = 8
-  head_chunks: int | None = None
 
   def __post_init__(self):
     if self.backend not in BACKENDS:

@@ -27,7 +27,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from lctx.kernels.masking import check_shapes, normalize_mask_args
-from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.options import AttentionOptions
 from lctx.kernels.splash_tiling import (
   LANES,
   MAX_BLOCK,
@@ -58,6 +58,8 @@ __all__ = [
 # Names the tests reach: the tiling of one call's settings.
 _tiles = tiles
 _block_map_bytes = block_map_bytes
+
+_DEFAULTS = AttentionOptions()
 
 
 def unsupported(q, k, v, *, positions_given: bool, layout: Layout | None = None) -> str:
@@ -120,40 +122,23 @@ def splash_attention(
   v,
   *,
   segment_ids=None,
-  causal=True,
-  window_size=None,
-  softmax_scale=None,
   return_lse=False,
-  block_q=512,
-  block_kv=512,
-  block_q_bwd=None,
-  block_kv_bwd=None,
   layout: Layout | None = None,
   positions_given: bool = False,
   interpret=False,
-  options: AttentionOptions | None = None,
+  options: AttentionOptions = _DEFAULTS,
 ):
   """Splash attention, differentiable in q, k, v (and through lse).
 
   q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, V]`; segment_ids `[B, T]` or a
   (q_ids, kv_ids) pair (0 = padding); masks on the natural token index of
   `layout` (None: array order for both). Returns out `[B, T, N, V]` (and lse
-  `[B, N, T]` float32 if return_lse). The mask and blocks come from `options`
-  or the keywords (not both). interpret: run through the Pallas interpreter
+  `[B, N, T]` float32 if return_lse). The mask and blocks come from `options`.
+  interpret: run through the Pallas interpreter
   (any backend). Raises ValueError when the call cannot take the kernel (see
   `unsupported`; positions_given: the caller passed explicit positions that
   only a layout makes usable).
   """
-  options = options_from(
-    options,
-    causal=causal,
-    window_size=window_size,
-    softmax_scale=softmax_scale,
-    block_q=block_q,
-    block_kv=block_kv,
-    block_q_bwd=block_q_bwd,
-    block_kv_bwd=block_kv_bwd,
-  )
   _check(q, k, v, positions_given, layout)
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   mask = normalize_mask_args(b, t, s, segment_ids, window_size=options.window_size)

@@ -137,8 +137,8 @@ class GQAAttention(nn.Module):
     if head_stages is not None:
       if gate is not None:
         raise ConfigError(
-          "[head-chunks] TrainConfig.ulysses_stage_projections does not project "
-          "attention_output_gate's gate by stages; use ulysses_head_chunks alone"
+          "[head-chunks] ContextOptions.stage_projections does not project "
+          "attention_output_gate's gate by stages; use ContextOptions.head_chunks alone"
         )
       return self._by_head_stages(
         x, segment_ids, positions, (wq, wk, wv, wo), biases, norms, *head_stages(n, kh)
@@ -178,7 +178,7 @@ class GQAAttention(nn.Module):
     return constrain(out, _Q_NAMES)
 
   def _by_head_stages(self, x, segment_ids, positions, weights, biases, norms, q_heads, kv_heads):
-    """UPipe with per-stage projections (TrainConfig.ulysses_stage_projections).
+    """UPipe with per-stage projections (ContextOptions.stage_projections).
 
     Stage g projects only its q heads `q_heads[g]` and kv heads `kv_heads[g]`
     (lctx.parallel.upipe.head_stages: the heads each device receives in that
@@ -251,8 +251,8 @@ class MLAAttention(nn.Module):
     pd, cd = c.param_dtype, c.dtype
     if as_mixer(self.mixer).head_stages is not None:
       raise ValueError(
-        "[head-chunks] TrainConfig.ulysses_stage_projections projects GQA/MHA heads; "
-        "MLA layers take ulysses_head_chunks alone"
+        "[head-chunks] ContextOptions.stage_projections projects GQA/MHA heads; "
+        "MLA layers take ContextOptions.head_chunks alone"
       )
     norm = lambda name, axis: norm_of(c, name, axis)  # noqa: E731
 

@@ -4,7 +4,9 @@ Where things are: the strategy decision for a run (strategy, load balance, ring
 size, device order, kernel platform) is `plan.py`'s `ContextPlan`; the zigzag
 reorder is `zigzag.py`; the rules each strategy enforces are `validation.py`;
 the strategy is decided in `auto.py` (`decide_strategy`, `auto`'s choice
-included; the attention buffers it sizes with are `attention_memory.py`); the
+included; the attention buffers it sizes with are `attention_memory.py`, home of
+`AttentionDims`, the one head-dimensions type); the run's settings are
+`ContextOptions` (`options.py`, beside the kernels' `AttentionOptions`); the
 strategies themselves are `all_gather.py`, `ulysses.py` (ulysses and usp) and
 `ring.py`, dispatched over the mesh by `context.py` (`make_attention_fn`).
 What the model calls in each layer is the `SequenceMixer` of `mixer.py`, which
@@ -12,6 +14,7 @@ the plan builds (`ContextPlan.mixer`); `context_attention` (plan.py) runs a
 plan on natural-order arrays.
 """
 
+from lctx.parallel.attention_memory import AttentionDims
 from lctx.parallel.context import (
   choose_strategy,
   make_attention_fn,
@@ -30,11 +33,10 @@ from lctx.parallel.mesh import (
   resolve_mesh_shape,
 )
 from lctx.parallel.mixer import LAYER_TYPES, SequenceMixer, as_mixer
+from lctx.parallel.options import ContextOptions
 from lctx.parallel.plan import (
   PLAN_STRATEGIES,
-  AttentionDims,
   ContextPlan,
-  KernelOptions,
   context_attention,
   make_context_plan,
 )
@@ -44,8 +46,8 @@ __all__ = [
   "MESH_AXES",
   "PLAN_STRATEGIES",
   "AttentionDims",
+  "ContextOptions",
   "ContextPlan",
-  "KernelOptions",
   "LAYER_TYPES",
   "SequenceMixer",
   "as_mixer",

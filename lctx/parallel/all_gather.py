@@ -14,10 +14,11 @@ import jax
 
 from lctx.kernels.options import AttentionOptions
 from lctx.parallel import block_ops
+from lctx.parallel.options import ContextOptions
 
 
 def all_gather_attention_local(
-  q, k, v, seg, pos, *, cfg: AttentionOptions, axis_names: tuple[str, ...]
+  q, k, v, seg, pos, *, cfg: AttentionOptions, ctx: ContextOptions, axis_names: tuple[str, ...]
 ):
   if axis_names:
     k, v, kv_seg, kv_pos = (
@@ -27,7 +28,7 @@ def all_gather_attention_local(
   else:
     kv_seg, kv_pos = seg, pos
     q_start = 0
-  layout = block_ops.token_layout(cfg, k.shape[1], q_start, 0)
+  layout = block_ops.token_layout(ctx, k.shape[1], q_start, 0)
   return block_ops.attend(
     q, k, v, q_seg=seg, kv_seg=kv_seg, q_pos=pos, kv_pos=kv_pos, cfg=cfg, layout=layout
   )

@@ -7,7 +7,7 @@ compiles by scripts/fit_memory_model.py, which writes them, with the memory
 model's other coefficients, to memory_coefficients.json beside this file.
 
 `dims` is anything with num_heads, num_kv_heads, head_dim and v_head_dim
-(HeadDims, or the memory model's ModelDims); `setup` anything with strategy,
+(AttentionDims, or the memory model's ModelDims); `setup` anything with strategy,
 seq_len, kernel, dtype_bytes, block_q, block_kv, head_chunks and axis(name)
 (AttentionSetup, or the memory model's Setup).
 """
@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Mapping
 
+from lctx.parallel.options import ContextOptions
 from lctx.parallel.validation import PLAN_STRATEGIES
 
 # The memory model counts 'none' (no context parallelism) like all_gather.
@@ -43,13 +44,42 @@ def fitted_coefficients(overrides: Mapping[str, float] | None = None) -> dict[st
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadDims:
-  """Attention heads as the kernels see them: N, K (MLA: N), H (q/k), V."""
+class AttentionDims:
+  """Attention heads as the kernels see them: the one head-dimensions type of
+  lctx.parallel (the strategy decision, the plan and the attention buffers).
+
+  Attributes:
+    num_heads: N, the q heads.
+    num_kv_heads: K (MLA: N; its K/V are per head).
+    head_dim: H, the q/k head dim (MLA: nope + rope).
+    v_head_dim: V (equal to H except for MLA).
+    bytes_per_element: activation bytes (2 for bf16, 4 for f32).
+    activation_bytes_per_token: bytes per local token saved across a layer
+      besides attention (residual stream + MLP hidden), for `auto`'s estimate.
+  """
 
   num_heads: int
   num_kv_heads: int
   head_dim: int
   v_head_dim: int
+  bytes_per_element: int = 2
+  activation_bytes_per_token: int = 0
+
+  @classmethod
+  def of_model(cls, model) -> AttentionDims:
+    """The dims of a lctx.models.ModelConfig (read by attribute: parallel does
+    not import models)."""
+    n, k, h, v = model.attention_head_dims
+    act_bytes = 2 if model.dtype == "bfloat16" else 4
+    return cls(
+      num_heads=n,
+      num_kv_heads=k,
+      head_dim=h,
+      v_head_dim=v,
+      bytes_per_element=act_bytes,
+      # Residual stream + MLP hidden per token, saved across one layer.
+      activation_bytes_per_token=act_bytes * (2 * model.d_model + model.mlp_dim),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +118,7 @@ def lanes(width: int) -> int:
 
 
 def attention_buffer_bytes(
-  dims: HeadDims,
+  dims: AttentionDims,
   setup: AttentionSetup,
   rows: int = 1,
   coefficients: Mapping[str, float] | None = None,
@@ -132,9 +162,9 @@ def attention_buffer_bytes(
   return rows * per * setup.dtype_bytes / 2 + blocks
 
 
-def head_chunk_fractions(dims: HeadDims, setup: AttentionSetup) -> tuple[float, float]:
+def head_chunk_fractions(dims: AttentionDims, setup: AttentionSetup) -> tuple[float, float]:
   """(q, kv) fractions of the heads whose attention buffers one UPipe stage holds
-  (TrainConfig.ulysses_head_chunks, lctx/parallel/upipe.py): the stages run in
+  (ContextOptions.head_chunks, lctx/parallel/upipe.py): the stages run in
   a scan, so buffers are one stage's; K/V go once per GQA group of stages.
   (1, 1) without head chunks or for other strategies. A shape count, not fitted
   to compiles: the stage bookkeeping (slices, the output buffer) is not counted."""
@@ -150,7 +180,7 @@ def head_chunk_fractions(dims: HeadDims, setup: AttentionSetup) -> tuple[float, 
   return 1.0 / stages, min(1.0, w / kv_dev)
 
 
-def splash_dq_partial_bytes(dims: HeadDims, setup, rows: int, n: float, t: float) -> float:
+def splash_dq_partial_bytes(dims: AttentionDims, setup, rows: int, n: float, t: float) -> float:
   """The fused splash backward's dq partials (AttentionOptions.fused_bwd): one call
   writes [kv_len / block_kv, *q.shape] in q's dtype, at most dq_partial_bytes
   (lctx/kernels/splash_tiling.py bwd_tiles cuts bigger calls into pieces), for
@@ -159,7 +189,6 @@ def splash_dq_partial_bytes(dims: HeadDims, setup, rows: int, n: float, t: float
   the default sub-chunking); 0 with the two-pass form."""
   if not getattr(setup, "fused_bwd", True):
     return 0.0
-  from lctx.kernels.options import AttentionOptions  # pylint: disable=g-import-not-at-top
   from lctx.parallel.block_ops import ring_sub_chunks  # pylint: disable=g-import-not-at-top
 
   c, seq = setup.axis("context"), setup.seq_len
@@ -167,14 +196,16 @@ def splash_dq_partial_bytes(dims: HeadDims, setup, rows: int, n: float, t: float
     q_rows, kv_len = t, seq  # ulysses: the whole sequence on n / c heads, as many bytes
   else:  # ring / usp: per hop (usp: the ring group's chunk of N / u heads), in sub-chunks
     local = seq / c if setup.strategy == "usp" else t
-    pieces = ring_sub_chunks(AttentionOptions(), int(local))
+    pieces = ring_sub_chunks(ContextOptions(), int(local))
     q_rows, kv_len = t / pieces, local / pieces
   q_bytes = rows * q_rows * n * lanes(dims.head_dim) * setup.dtype_bytes
   blocks = max(1.0, kv_len / max(setup.block_kv, 128))
   return min(float(getattr(setup, "dq_partial_bytes", 1 << 30)), blocks * q_bytes)
 
 
-def _splash_bytes(dims: HeadDims, setup: AttentionSetup, co, n: float, k: float, t: float) -> float:
+def _splash_bytes(
+  dims: AttentionDims, setup: AttentionSetup, co, n: float, k: float, t: float
+) -> float:
   """Attention's per-row bytes with the splash kernel (no HBM score tiles)."""
   hv_lanes = lanes(dims.head_dim) + lanes(dims.v_head_dim)
   if setup.strategy in ("none", "all_gather"):

@@ -18,13 +18,13 @@ meshes), plus an optional caller-given activation cost per local token.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Mapping
 
 from lctx.errors import ConfigError
 from lctx.parallel import attention_memory
+from lctx.parallel.attention_memory import AttentionDims
 from lctx.parallel.mesh import BATCH_AXES
 from lctx.parallel.validation import (
   STRATEGIES,
@@ -34,44 +34,6 @@ from lctx.parallel.validation import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionDims:
-  """The attention shapes a strategy decision needs, as the kernels see them.
-
-  Attributes:
-    num_q_heads: N.
-    num_kv_heads: K (MLA: N; its K/V are per head).
-    head_dim: H, the q/k head dim (MLA: nope + rope).
-    v_head_dim: V (equal to H except for MLA).
-    bytes_per_element: activation bytes (2 for bf16, 4 for f32).
-    activation_bytes_per_token: bytes per local token saved across a layer
-      besides attention (residual stream + MLP hidden), for `auto`'s estimate.
-  """
-
-  num_q_heads: int
-  num_kv_heads: int
-  head_dim: int
-  v_head_dim: int
-  bytes_per_element: int = 2
-  activation_bytes_per_token: int = 0
-
-  @classmethod
-  def of_model(cls, model) -> AttentionDims:
-    """The dims of a lctx.models.ModelConfig (read by attribute: parallel does
-    not import models)."""
-    n, k, h, v = model.attention_head_dims
-    act_bytes = 2 if model.dtype == "bfloat16" else 4
-    return cls(
-      num_q_heads=n,
-      num_kv_heads=k,
-      head_dim=h,
-      v_head_dim=v,
-      bytes_per_element=act_bytes,
-      # Residual stream + MLP hidden per token, saved across one layer.
-      activation_bytes_per_token=act_bytes * (2 * model.d_model + model.mlp_dim),
-    )
 
 
 def decide_strategy(
@@ -102,15 +64,10 @@ def decide_strategy(
   batch_ways = math.prod(int(mesh_shape.get(a, 1)) for a in BATCH_AXES)
   return choose_strategy(
     mesh_shape=dict(mesh_shape),
-    num_q_heads=dims.num_q_heads,
-    num_kv_heads=dims.num_kv_heads,
+    dims=dims,
     seq_len=seq_len,
-    head_dim=dims.head_dim,
-    v_head_dim=dims.v_head_dim if dims.v_head_dim != dims.head_dim else None,
     batch_per_device=max(1, batch_size // batch_ways),
-    bytes_per_element=dims.bytes_per_element,
     memory_budget_bytes=memory_budget_bytes,
-    activation_bytes_per_token=dims.activation_bytes_per_token,
     load_balance=load_balance,
     kernel=attention_memory.resolve_kernel(attention_backend, platform),
   )
@@ -120,33 +77,22 @@ def estimate_attention_bytes(
   strategy: str,
   *,
   mesh_shape: dict,
-  num_q_heads: int,
-  num_kv_heads: int,
+  dims: AttentionDims,
   seq_len: int,
-  head_dim: int,
-  v_head_dim: int | None = None,
   batch_per_device: int = 1,
-  bytes_per_element: int = 2,
-  activation_bytes_per_token: int = 0,
   block_q: int = 512,
   block_kv: int = 512,
   kernel: str = "blockwise",
 ) -> int:
   """Per-device bytes of one attention layer's buffers
-  (attention_memory.attention_buffer_bytes for `kernel`), plus activation_bytes_per_token per
-  local token."""
+  (attention_memory.attention_buffer_bytes for `kernel`), plus
+  dims.activation_bytes_per_token per local token."""
   c, u = context_degrees(mesh_shape)
-  dims = attention_memory.HeadDims(
-    num_heads=num_q_heads,
-    num_kv_heads=num_kv_heads,
-    head_dim=head_dim,
-    v_head_dim=head_dim if v_head_dim is None else v_head_dim,
-  )
   setup = attention_memory.AttentionSetup(
     strategy=strategy,
     mesh=dict(mesh_shape),
     seq_len=seq_len,
-    dtype_bytes=bytes_per_element,
+    dtype_bytes=dims.bytes_per_element,
     block_q=block_q,
     block_kv=block_kv,
     kernel=kernel,
@@ -160,25 +106,23 @@ def estimate_attention_bytes(
     )
   attention = attention_memory.attention_buffer_bytes(dims, setup, rows=batch_per_device)
   t_local = seq_len // (c * u)
-  return int(attention + batch_per_device * t_local * activation_bytes_per_token)
+  return int(attention + batch_per_device * t_local * dims.activation_bytes_per_token)
 
 
 def choose_strategy(
   *,
   mesh_shape: dict,
-  num_q_heads: int,
-  num_kv_heads: int,
+  dims: AttentionDims,
   seq_len: int,
-  head_dim: int,
-  v_head_dim: int | None = None,
   batch_per_device: int = 1,
-  bytes_per_element: int = 2,
   memory_budget_bytes: int | None = None,
-  activation_bytes_per_token: int = 0,
   load_balance: bool | None = None,
   kernel: str = "blockwise",
 ) -> tuple[str, str]:
   """Returns (strategy, reason) for `context_parallel_strategy = 'auto'`; logs it.
+
+  dims: the heads (MLA: v_head_dim != head_dim goes to ring), the activation
+    bytes and the bytes per local token saved besides attention.
 
   memory_budget_bytes: per-device bytes available to attention; None = 4 GiB.
   load_balance: None checks each candidate with its default (on for causal
@@ -189,7 +133,7 @@ def choose_strategy(
   Raises ValueError listing every candidate's rejection if none is valid.
   """
   budget = 4 * 2**30 if memory_budget_bytes is None else int(memory_budget_bytes)
-  mla = v_head_dim is not None and v_head_dim != head_dim
+  mla = dims.v_head_dim != dims.head_dim
   rejected, valid = [], []
   for s in STRATEGIES:
     if mla and s in ("ulysses", "usp"):
@@ -200,8 +144,8 @@ def choose_strategy(
       validate_context_parallel(
         strategy=s,
         mesh_shape=mesh_shape,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
+        num_q_heads=dims.num_heads,
+        num_kv_heads=dims.num_kv_heads,
         seq_len=seq_len,
         load_balance=lb,
       )
@@ -211,14 +155,9 @@ def choose_strategy(
     est = estimate_attention_bytes(
       s,
       mesh_shape=mesh_shape,
-      num_q_heads=num_q_heads,
-      num_kv_heads=num_kv_heads,
+      dims=dims,
       seq_len=seq_len,
-      head_dim=head_dim,
-      v_head_dim=v_head_dim,
       batch_per_device=batch_per_device,
-      bytes_per_element=bytes_per_element,
-      activation_bytes_per_token=activation_bytes_per_token,
       kernel=kernel,
     )
     valid.append((s, est))

@@ -10,10 +10,11 @@
   (query, key) pair, used to skip fully masked ring steps.
 - `token_layout`: where a call's rows sit in natural token order
   (`lctx.kernels.token_order.Layout`), built by the strategies from
-  `AttentionOptions.token_order`; kernels that mask on the natural index
+  `ContextOptions.token_order`; kernels that mask on the natural index
   (splash) need it to take explicit positions, the others ignore it.
 
-Every function takes the one `AttentionOptions` (`cfg`) and hands it on whole.
+Every function takes the one `AttentionOptions` (`cfg`) and hands it on whole;
+the ring's pieces and the token order come from `ContextOptions` (`ctx`).
 
 Shapes: q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, V]`, ids/positions `[B, T]`
 / `[B, S]` int32, lse `[B, N, T]` float32.
@@ -27,34 +28,31 @@ import numpy as np
 import lctx.kernels as kernels
 from lctx.kernels.options import AttentionOptions
 from lctx.kernels.token_order import Layout, TokenOrder
+from lctx.parallel.options import ContextOptions
 
 _BIG = 2**30
 
 
-# The strategies' name for the attention options (one object, lctx/kernels/options.py).
-AttnConfig = AttentionOptions
-
-
-def ring_sub_chunks(cfg: AttentionOptions, length: int) -> int:
+def ring_sub_chunks(ctx: ContextOptions, length: int) -> int:
   """How many pieces each device chunk of `length` tokens is cut into per hop."""
-  if cfg.sub_chunks is not None:
-    c = max(1, int(cfg.sub_chunks))
+  if ctx.sub_chunks is not None:
+    c = max(1, int(ctx.sub_chunks))
     return c if length % c == 0 else 1
   c = 1
-  if length <= cfg.split_above:
+  if length <= ctx.split_above:
     return c
-  while length % (2 * c) == 0 and length // c > cfg.piece_tokens and 2 * c <= cfg.max_sub_chunks:
+  while length % (2 * c) == 0 and length // c > ctx.piece_tokens and 2 * c <= ctx.max_sub_chunks:
     c *= 2
   return c
 
 
-def token_layout(cfg: AttentionOptions, length: int, q_start, kv_start):
+def token_layout(ctx: ContextOptions, length: int, q_start, kv_start):
   """The kernels' Layout of a call whose q rows are global array indices
   q_start + [0, T) and kv rows kv_start + [0, S) of the `length`-token sequence
-  (starts may be traced); None when cfg.token_order is None."""
-  if cfg.token_order is None:
+  (starts may be traced); None when ctx.token_order is None."""
+  if ctx.token_order is None:
     return None
-  return Layout(TokenOrder(int(length), int(cfg.token_order)), q_start, kv_start)
+  return Layout(TokenOrder(int(length), int(ctx.token_order)), q_start, kv_start)
 
 
 def attend(q, k, v, *, q_seg, kv_seg, q_pos, kv_pos, cfg: AttentionOptions, layout=None):
@@ -145,7 +143,9 @@ def maybe_visible(q_seg, kv_seg, q_pos, kv_pos, cfg: AttentionOptions, xp=jnp):
   return xp.any(ok)
 
 
-def count_ring_blocks(segment_ids, positions, *, ring_size: int, cfg: AttentionOptions):
+def count_ring_blocks(
+  segment_ids, positions, *, ring_size: int, cfg: AttentionOptions, ctx: ContextOptions
+):
   """Per-device number of (q sub-chunk, kv sub-chunk) pairs the ring computes.
 
   segment_ids, positions: numpy `[B, T]` in the order the ring sees (zigzag or not).
@@ -156,7 +156,7 @@ def count_ring_blocks(segment_ids, positions, *, ring_size: int, cfg: AttentionO
   pos = np.asarray(positions)
   seg_d = np.split(seg, ring_size, axis=1)
   pos_d = np.split(pos, ring_size, axis=1)
-  c = ring_sub_chunks(cfg, seg_d[0].shape[1])
+  c = ring_sub_chunks(ctx, seg_d[0].shape[1])
   counts = np.zeros(ring_size, dtype=np.int64)
   for r in range(ring_size):
     for step in range(ring_size):

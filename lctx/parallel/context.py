@@ -1,6 +1,6 @@
 """Public entry of context parallelism: strategy dispatch over the whole mesh.
 
-- `make_attention_fn(mesh, strategy, ...)`: the attention call of the model's
+- `make_attention_fn(mesh, context, options)`: the attention call of the model's
   mixer (docs/contracts.md) on batches the pipeline has ALREADY put in zigzag
   order; `stage_heads` UPipe's per-stage heads. The run's `ContextPlan`
   (plan.py) builds both, and `context_attention` (plan.py) runs a plan on
@@ -25,12 +25,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lctx.errors import ConfigError
-from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.options import AttentionOptions
 from lctx.kernels.remat_tags import TAGS_ATTRIBUTE
 from lctx.parallel import halo
 from lctx.parallel.all_gather import all_gather_attention_local
 from lctx.parallel.auto import choose_strategy
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
+from lctx.parallel.options import ContextOptions
 from lctx.parallel.ring import ring_attention_local
 from lctx.parallel.ulysses import ulysses_attention_local, usp_attention_local
 from lctx.parallel.upipe import head_stages
@@ -44,6 +45,7 @@ from lctx.parallel.zigzag import zigzag_inverse, zigzag_permute_local, zigzag_re
 
 # Where shard_map splits q/k/v: the mesh axes LOGICAL_RULES gives the activations.
 HEAD_AXIS = dict(LOGICAL_RULES)["act_heads"]
+_DEFAULT_OPTIONS = AttentionOptions()
 
 __all__ = [
   "STRATEGIES",
@@ -63,60 +65,65 @@ def _present(mesh, axes):
   return names or None
 
 
-def _local_fn(strategy: str, mesh, cfg: AttentionOptions, window_aware: bool = False):
-  plain = _plain_local_fn(strategy, mesh, cfg)
-  if not window_aware or cfg.window_size is None or cfg.token_order is None:
+def _local_fn(mesh, cfg: AttentionOptions, ctx: ContextOptions, window_aware: bool = False):
+  plain = _plain_local_fn(mesh, cfg, ctx)
+  if not window_aware or cfg.window_size is None or ctx.token_order is None:
     return plain
-  return _window_aware_fn(strategy, mesh, cfg, plain)
+  return _window_aware_fn(mesh, cfg, ctx, plain)
 
 
-def _window_aware_fn(strategy: str, mesh, cfg: AttentionOptions, plain):
+def _window_aware_fn(mesh, cfg: AttentionOptions, ctx: ContextOptions, plain):
   """A sliding layer's local call (lctx/parallel/halo.py): ring, all_gather and
   usp exchange only the halo the window needs; ulysses already runs the
   windowed kernel on whole sequences after its all-to-all."""
   shape = mesh_shape(mesh)
-  zigzag = bool(cfg.token_order)
-  if strategy == "ring":
+  zigzag = bool(ctx.token_order)
+  if ctx.strategy == "ring":
     return halo.window_aware(
-      plain, cfg=cfg, axis_names="context", axis_size=shape["context"], zigzag=zigzag
+      plain, cfg=cfg, ctx=ctx, axis_names="context", axis_size=shape["context"], zigzag=zigzag
     )
-  if strategy == "usp":
+  if ctx.strategy == "usp":
     return halo.usp_window_aware(
       plain,
       cfg=cfg,
+      ctx=ctx,
       ring_axis="context",
       ring_size=shape["context"],
       ulysses_axis="context_ulysses",
       ulysses_size=shape.get("context_ulysses", 1),
       zigzag=zigzag,
     )
-  if strategy == "all_gather":
+  if ctx.strategy == "all_gather":
     axes = _present(mesh, SEQ_AXES) or ()
     ways = 1
     for a in axes:
       ways *= shape[a]
-    if zigzag and ways != cfg.token_order:  # zigzag pieces split over more axes
+    if zigzag and ways != ctx.token_order:  # zigzag pieces split over more axes
       return plain
-    return halo.window_aware(plain, cfg=cfg, axis_names=axes, axis_size=ways, zigzag=zigzag)
+    return halo.window_aware(
+      plain, cfg=cfg, ctx=ctx, axis_names=axes, axis_size=ways, zigzag=zigzag
+    )
   return plain
 
 
-def _plain_local_fn(strategy: str, mesh, cfg: AttentionOptions):
+def _plain_local_fn(mesh, cfg: AttentionOptions, ctx: ContextOptions):
   shape = mesh_shape(mesh)
+  strategy = ctx.strategy
   if strategy == "all_gather":
     return functools.partial(
-      all_gather_attention_local, cfg=cfg, axis_names=_present(mesh, SEQ_AXES) or ()
+      all_gather_attention_local, cfg=cfg, ctx=ctx, axis_names=_present(mesh, SEQ_AXES) or ()
     )
   if strategy == "ulysses":
-    return functools.partial(ulysses_attention_local, cfg=cfg, axis_name="context")
+    return functools.partial(ulysses_attention_local, cfg=cfg, ctx=ctx, axis_name="context")
   if strategy == "ring":
     return functools.partial(
-      ring_attention_local, cfg=cfg, axis_name="context", axis_size=shape["context"]
+      ring_attention_local, cfg=cfg, ctx=ctx, axis_name="context", axis_size=shape["context"]
     )
   if strategy == "usp":
     return functools.partial(
       usp_attention_local,
       cfg=cfg,
+      ctx=ctx,
       ring_axis="context",
       ring_size=shape["context"],
       ulysses_axis="context_ulysses",
@@ -126,7 +133,11 @@ def _plain_local_fn(strategy: str, mesh, cfg: AttentionOptions):
 
 @functools.cache
 def _sharded(
-  mesh, strategy: str, cfg: AttentionOptions, kv_heads_sharded: bool, window_aware: bool = False
+  mesh,
+  cfg: AttentionOptions,
+  ctx: ContextOptions,
+  kv_heads_sharded: bool,
+  window_aware: bool = False,
 ):
   """jit(shard_map(strategy)) over the whole mesh; cached per configuration."""
   batch, seq = _present(mesh, BATCH_AXES), _present(mesh, SEQ_AXES)
@@ -135,11 +146,11 @@ def _sharded(
   kv_spec = P(batch, seq, head if kv_heads_sharded else None, None)
   tok_spec = P(batch, seq)
   specs = (q_spec, kv_spec, kv_spec, tok_spec, tok_spec)
-  local = _local_fn(strategy, mesh, cfg, window_aware)
+  local = _local_fn(mesh, cfg, ctx, window_aware)
   return jax.jit(shard_map_over(local, mesh, specs, q_spec))
 
 
-def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions, window_aware=False):
+def _apply(mesh, cfg, ctx, q, k, v, segment_ids, positions, window_aware=False):
   b, t = q.shape[:2]
   shape = mesh_shape(mesh)
   rows = shape.get("data", 1) * shape.get("fsdp", 1)
@@ -153,77 +164,52 @@ def _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions, window_aware=Fa
   positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, t))
   kh = k.shape[2]
   kv_sharded = kh % shape.get(HEAD_AXIS, 1) == 0
-  return _sharded(mesh, strategy, cfg, kv_sharded, window_aware)(q, k, v, segment_ids, positions)
+  return _sharded(mesh, cfg, ctx, kv_sharded, window_aware)(q, k, v, segment_ids, positions)
 
 
 def make_attention_fn(
   mesh,
-  strategy: str,
+  context: ContextOptions,
+  options: AttentionOptions = _DEFAULT_OPTIONS,
   *,
-  kernel_backend: str = "auto",
-  block_q: int = 512,
-  block_kv: int = 512,
-  sub_chunks: int | None = None,
-  load_balance: bool | None = None,
-  block_q_bwd: int | None = None,
-  block_kv_bwd: int | None = None,
-  platform: str | None = None,
-  ulysses_head_chunks: int | None = None,
-  options: AttentionOptions | None = None,
   validated_seq_len: int | None = None,
   window_aware: bool = False,
 ):
   """Builds the attention call of one resolved strategy (the mixer's `attention`).
 
+  context: `strategy` resolved (one of STRATEGIES, not 'auto'); `token_order`
+  the batch's token order (the plan sets it: zigzag over the ring when load
+  balancing, else natural; None: unknown, then splash, which masks on the
+  natural token index, does not take calls with positions); `head_chunks`
+  (ulysses / usp) the head stages the call runs (UPipe, lctx/parallel/upipe.py;
+  with `stage_projections` the model stages the heads and each call runs its
+  heads at once: `stage_heads`); `load_balance` feeds validation.
+  options: the kernel settings; a platform of None means the mesh devices'.
+
   The batch it sees must already be in the order the pipeline produced (zigzag
   when load balancing); positions carry the true positions, so masks are right in
-  either order. `load_balance` feeds validation (None: not checked) and tells the
-  kernels the batch's token order (zigzag or natural; None: unknown), so that
-  splash, which masks on the natural token index, can take the calls: it relies
-  on positions counting up by one along the natural order inside every segment,
-  as the data pipeline makes them (other positions: kernel_backend='blockwise').
-  `options`: the attention options (the plan's); or the keywords kernel_backend
-  (its `backend`), block_q, block_kv, block_q_bwd, block_kv_bwd, sub_chunks and
-  platform (not both). A platform of None means the mesh devices'.
-  `ulysses_head_chunks` (ulysses / usp): run attention in this many head stages
-  (UPipe, lctx/parallel/upipe.py); None or 1: all heads at once. (UPipe with
-  per-stage projections is the mixer's `head_stages`: `stage_heads`.)
-  The rules of strategy, mesh and heads are checked where the plan is made
-  (`make_context_plan`); a call checks them once per new (heads, length) shape, so
-  the eval grid's other lengths are checked too, and a plan's own shape
-  (`validated_seq_len`) is not checked twice.
+  either order. The rules of strategy, mesh and heads are checked where the plan
+  is made (`make_context_plan`); a call checks them once per new (heads, length)
+  shape, so the eval grid's other lengths are checked too, and a plan's own
+  shape (`validated_seq_len`) is not checked twice.
   `window_aware` (the mixer's `sliding_attention`): calls with a causal window
   exchange only the keys the window reaches (lctx/parallel/halo.py) under ring,
-  all_gather and usp, when the batch's token order is known (`load_balance`).
+  all_gather and usp, when the batch's token order is known.
   """
-  base = options_from(
-    options,
-    backend=kernel_backend,
-    block_q=block_q,
-    block_kv=block_kv,
-    sub_chunks=sub_chunks,
-    block_q_bwd=block_q_bwd,
-    block_kv_bwd=block_kv_bwd,
-    platform=platform,
-  )
+  strategy = context.strategy
   if strategy not in STRATEGIES:
     raise ConfigError(
       f"[unknown-strategy] context_parallel_strategy {strategy!r} is not "
-      f"one of {STRATEGIES}; resolve 'auto' with choose_strategy first"
+      f"one of {STRATEGIES}; resolve 'auto' with make_context_plan first"
     )
-  if (ulysses_head_chunks or 1) > 1 and strategy not in ("ulysses", "usp"):
+  chunks = context.call_head_chunks
+  if (chunks or 1) > 1 and strategy not in ("ulysses", "usp"):
     raise ConfigError(
-      f"[head-chunks] ulysses_head_chunks={ulysses_head_chunks} applies to the ulysses "
+      f"[head-chunks] ContextOptions.head_chunks={chunks} applies to the ulysses "
       f"and usp strategies only, not {strategy!r}"
     )
-  base = dataclasses.replace(
-    base,
-    platform=base.platform or mesh.devices.flat[0].platform,
-    token_order=None
-    if load_balance is None
-    else (zigzag_ring_size(mesh_shape(mesh)) if load_balance else 0),
-    head_chunks=ulysses_head_chunks,
-  )
+  ctx = dataclasses.replace(context, head_chunks=chunks, stage_projections=False)
+  base = dataclasses.replace(options, platform=options.platform or mesh.devices.flat[0].platform)
   checked = set()
 
   def attention_fn(
@@ -237,11 +223,11 @@ def make_attention_fn(
         num_q_heads=q.shape[2],
         num_kv_heads=k.shape[2],
         seq_len=q.shape[1],
-        load_balance=bool(load_balance),
+        load_balance=bool(ctx.load_balance),
       )
     checked.add(shape)
     cfg = base.with_mask(causal, window_size, softmax_scale)
-    return _apply(mesh, strategy, cfg, q, k, v, segment_ids, positions, window_aware)
+    return _apply(mesh, cfg, ctx, q, k, v, segment_ids, positions, window_aware)
 
   # Every call goes through lctx.kernels' custom VJPs (or the ring's), which tag
   # their output and lse for the remat policies (lctx/kernels/remat_tags.py).
@@ -250,24 +236,24 @@ def make_attention_fn(
 
 
 def stage_heads(mesh, strategy: str, head_chunks: int | None):
-  """UPipe with per-stage projections (TrainConfig.ulysses_stage_projections): the
+  """UPipe with per-stage projections (ContextOptions.stage_projections): the
   mixer's `head_stages(num_heads, num_kv_heads) -> (q_heads [S, N/S], kv_heads [S, M])`
   (upipe.head_stages). The attention call then runs every head it is given at once,
   and the model projects q/k/v and the output one stage at a time."""
   if strategy not in ("ulysses", "usp"):
     raise ConfigError(
-      f"[head-chunks] ulysses_stage_projections stages the ulysses all-to-all; "
+      f"[head-chunks] ContextOptions.stage_projections stages the ulysses all-to-all; "
       f"strategy {strategy!r} has none"
     )
   if (head_chunks or 1) < 2:
     raise ConfigError(
-      f"[head-chunks] ulysses_stage_projections needs ulysses_head_chunks >= 2, got {head_chunks}"
+      f"[head-chunks] ContextOptions.stage_projections needs head_chunks >= 2, got {head_chunks}"
     )
   shape = mesh_shape(mesh)
   if shape.get("tensor", 1) > 1:
     raise ConfigError(
-      "[head-chunks] ulysses_stage_projections picks global heads per stage, so it "
-      f"needs tensor = 1; got mesh {shape} (use ulysses_head_chunks alone)"
+      "[head-chunks] ContextOptions.stage_projections picks global heads per stage, so it "
+      f"needs tensor = 1; got mesh {shape} (use head_chunks alone)"
     )
   degree = shape.get("context" if strategy == "ulysses" else "context_ulysses", 1)
   return functools.partial(head_stages, degree=degree, stages=head_chunks)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from lctx.kernels.options import AttentionOptions
 from lctx.kernels.token_order import Layout, TokenOrder
 from lctx.parallel import block_ops
+from lctx.parallel.options import ContextOptions
 
 
 def halo_fits(cfg: AttentionOptions, local_len: int, zigzag: bool) -> bool:
@@ -64,13 +65,14 @@ def _shift(xs, axis_names, size: int, offset: int):
   return tuple(jax.lax.ppermute(x, axis_names, perm) for x in xs)
 
 
-def _attend_run(q, kv, halo, q_start, cfg: AttentionOptions, length: int):
+def _attend_run(q, kv, halo, q_start, cfg: AttentionOptions, ordered: bool, length: int):
   """One natural run's queries against [halo, run]; q_start: the run's first
-  natural index (a kernel that masks on it needs the rows' layout)."""
+  natural index (a kernel that masks on it needs the rows' layout); ordered: the
+  batch's token order is known (ContextOptions.token_order)."""
   k, v, seg, pos = (jnp.concatenate([h, x], axis=1) for h, x in zip(halo, kv))
   h = halo[0].shape[1]
   layout = None
-  if cfg.token_order is not None:  # rows are natural indices q_start - h .. q_start + run
+  if ordered:  # rows are natural indices q_start - h .. q_start + run
     layout = Layout(TokenOrder(int(length), 0), q_start, q_start - h)
   return block_ops.attend(
     q, k, v, q_seg=kv[2], kv_seg=seg, q_pos=kv[3], kv_pos=pos, cfg=cfg, layout=layout
@@ -78,12 +80,23 @@ def _attend_run(q, kv, halo, q_start, cfg: AttentionOptions, length: int):
 
 
 def halo_attention_local(
-  q, k, v, seg, pos, *, cfg: AttentionOptions, axis_names, axis_size: int, zigzag: bool
+  q,
+  k,
+  v,
+  seg,
+  pos,
+  *,
+  cfg: AttentionOptions,
+  ctx: ContextOptions,
+  axis_names,
+  axis_size: int,
+  zigzag: bool,
 ):
   """Sliding-window attention of the local shard with the halo exchange (see
   the module docstring); requires halo_fits(cfg, T, zigzag)."""
   size, t = int(axis_size), q.shape[1]
   h = halo_length(cfg.window_size, t // 2 if zigzag else t)
+  ordered = ctx.token_order is not None
   length = t * size
   r = jax.lax.axis_index(axis_names) if size > 1 else 0
   tail = lambda xs: tuple(x[:, x.shape[1] - h :] for x in xs)  # noqa: E731
@@ -92,7 +105,7 @@ def halo_attention_local(
     halo = _shift(tail(kv), axis_names, size, 1) if size > 1 else tail(kv)
     if size == 1:  # no run before: an all-padding halo
       halo = tuple(jnp.zeros_like(x) for x in halo)
-    return _attend_run(q, kv, halo, r * t, cfg, length)
+    return _attend_run(q, kv, halo, r * t, cfg, ordered, length)
   c = t // 2
   first = tuple(x[:, :c] for x in (k, v, seg, pos))  # natural chunk r
   second = tuple(x[:, c:] for x in (k, v, seg, pos))  # natural chunk 2P-1-r
@@ -104,26 +117,39 @@ def halo_attention_local(
     from_next = halo_first
   last = r == size - 1  # chunk 2P-2-r is this device's own first chunk
   halo_second = tuple(jnp.where(last, own, got) for own, got in zip(tail(first), from_next))
-  out_first = _attend_run(q[:, :c], first, halo_first, r * c, cfg, length)
-  out_second = _attend_run(q[:, c:], second, halo_second, (2 * size - 1 - r) * c, cfg, length)
+  out_first = _attend_run(q[:, :c], first, halo_first, r * c, cfg, ordered, length)
+  out_second = _attend_run(
+    q[:, c:], second, halo_second, (2 * size - 1 - r) * c, cfg, ordered, length
+  )
   return jnp.concatenate([out_first, out_second], axis=1)
 
 
-def window_aware(plain, *, cfg: AttentionOptions, axis_names, axis_size: int, zigzag: bool):
+def window_aware(
+  plain, *, cfg: AttentionOptions, ctx: ContextOptions, axis_names, axis_size: int, zigzag: bool
+):
   """A local attention function (q, k, v, seg, pos) -> out that runs the halo
   exchange when it covers the call and `plain` (the strategy's) otherwise."""
 
   def local(q, k, v, seg, pos):
     if halo_fits(cfg, q.shape[1], zigzag):
       return halo_attention_local(
-        q, k, v, seg, pos, cfg=cfg, axis_names=axis_names, axis_size=axis_size, zigzag=zigzag
+        q,
+        k,
+        v,
+        seg,
+        pos,
+        cfg=cfg,
+        ctx=ctx,
+        axis_names=axis_names,
+        axis_size=axis_size,
+        zigzag=zigzag,
       )
     return plain(q, k, v, seg, pos)
 
   return local
 
 
-def usp_window_aware(plain, *, cfg: AttentionOptions, ring_axis: str, ring_size: int,
+def usp_window_aware(plain, *, cfg: AttentionOptions, ctx: ContextOptions, ring_axis: str, ring_size: int,
                      ulysses_axis: str, ulysses_size: int, zigzag: bool):  # fmt: skip
   """usp for a sliding layer: the ulysses all-to-all (a ring group's chunk, a
   head group), then the halo exchange over the ring instead of the ring's hops;
@@ -132,12 +158,21 @@ def usp_window_aware(plain, *, cfg: AttentionOptions, ring_axis: str, ring_size:
 
   def local(q, k, v, seg, pos):
     group_len = q.shape[1] * ulysses_size
-    if (cfg.head_chunks or 1) > 1 or not halo_fits(cfg, group_len, zigzag):
+    if (ctx.head_chunks or 1) > 1 or not halo_fits(cfg, group_len, zigzag):
       return plain(q, k, v, seg, pos)
     q, k, v = (ulysses._to_heads(x, ulysses_axis) for x in (q, k, v))  # noqa: SLF001
     seg, pos = (ulysses._gather_tokens(x, ulysses_axis) for x in (seg, pos))  # noqa: SLF001
     out = halo_attention_local(
-      q, k, v, seg, pos, cfg=cfg, axis_names=ring_axis, axis_size=ring_size, zigzag=zigzag
+      q,
+      k,
+      v,
+      seg,
+      pos,
+      cfg=cfg,
+      ctx=ctx,
+      axis_names=ring_axis,
+      axis_size=ring_size,
+      zigzag=zigzag,
     )
     return ulysses._to_seq(out, ulysses_axis)  # noqa: SLF001
 

@@ -27,12 +27,13 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from lctx import kernels
-from lctx.kernels.options import AttentionOptions, options_from
+from lctx.kernels.options import AttentionOptions
 from lctx.kernels.remat_tags import TAGS_ATTRIBUTE
 from lctx.kernels.token_order import Layout, TokenOrder
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, mesh_shape, shard_map_over
 
 HEAD_AXIS = dict(LOGICAL_RULES)["act_heads"]
+_DEFAULT_OPTIONS = AttentionOptions()
 
 
 def _divides(mesh, axes, n: int):
@@ -56,21 +57,15 @@ def _sharded_splash(mesh, call, q, k, v, segment_ids, positions):
 
 
 def local_attention_fn(
-  kernel_backend: str = "auto",
-  block_q: int = 512,
-  block_kv: int = 512,
-  block_q_bwd: int | None = None,
-  block_kv_bwd: int | None = None,
-  platform: str | None = None,
+  options: AttentionOptions = _DEFAULT_OPTIONS,
+  *,
   natural_order: bool = True,
   mesh=None,
-  options: AttentionOptions | None = None,
 ) -> Callable:
   """The model plug-in (docs/contracts.md) calling `lctx.kernels`.
 
-  options: the attention options (the plan's); or the keywords kernel_backend
-    (its `backend`), block_q, block_kv, block_q_bwd, block_kv_bwd and platform
-    (not both). The model's call adds the mask (causal, window, scale).
+  options: the attention options (the plan's: backend, blocks, platform); the
+    model's call adds the mask (causal, window, scale).
   natural_order: the batches follow the natural token order, positions counting
     up by one along each row inside every segment (the pipeline's batches).
     False: positions are arbitrary, so kernels that mask on the natural token
@@ -78,15 +73,7 @@ def local_attention_fn(
   mesh: the mesh the batch is sharded over (None: the mesh set by
     `jax.set_mesh` at trace time, if any); splash runs in a shard_map over it.
   """
-  base = options_from(
-    options,
-    backend=kernel_backend,
-    block_q=block_q,
-    block_kv=block_kv,
-    block_q_bwd=block_q_bwd,
-    block_kv_bwd=block_kv_bwd,
-    platform=platform,
-  )
+  base = options
 
   def attention_fn(
     q, k, v, *, segment_ids, positions, causal=True, window_size=None, softmax_scale=None

@@ -7,8 +7,11 @@ the attention kernel's platform is read from the mesh. The trainer, the loop,
 the evals adapter (`logits_fn`), the benchmarks and the tests ask the
 `ContextPlan` it returns:
 
-    plan = make_context_plan(mesh, dims, seq_len=..., batch_size=..., strategy="auto")
+    plan = make_context_plan(mesh, dims, seq_len=..., batch_size=...,
+                             context=ContextOptions(strategy="auto"),
+                             attention=AttentionOptions(block_q=1024))
     plan.strategy, plan.load_balance, plan.ring_size, plan.platform
+    plan.context, plan.attention           # the resolved options objects
     plan.mixer                             # the model's sequence mixer (mixer.py)
     plan.attention_fn                      # its full-attention call
     batch = plan.to_device_order(batch)    # host rows -> the order devices hold
@@ -36,6 +39,7 @@ from lctx.parallel.auto import AttentionDims, decide_strategy
 from lctx.parallel.context import make_attention_fn, stage_heads, zigzag_sharded
 from lctx.parallel.local import local_attention_fn
 from lctx.parallel.mixer import SequenceMixer
+from lctx.parallel.options import ContextOptions
 from lctx.parallel.validation import (
   PLAN_STRATEGIES,
   default_load_balance,
@@ -47,10 +51,8 @@ from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
 log = logging.getLogger(__name__)
 
 
-# The plan's name for the attention options (lctx/kernels/options.py): TrainConfig's
-# attention settings; the plan adds the platform, the strategy the token order.
-KernelOptions = AttentionOptions
-_DEFAULT_KERNEL = AttentionOptions()
+_DEFAULT_ATTENTION = AttentionOptions()
+_DEFAULT_CONTEXT = ContextOptions()
 
 
 class _LinearFnsOnUse:
@@ -79,50 +81,51 @@ class ContextPlan:
 
   Attributes:
     mesh: the device mesh.
-    strategy: one of PLAN_STRATEGIES ('auto' is resolved).
-    load_balance: whether batches are held in zigzag order.
+    context: the resolved ContextOptions: `strategy` one of PLAN_STRATEGIES
+      ('auto' resolved), `load_balance` a bool (whether batches are held in
+      zigzag order), `token_order` the batch's order (P: zigzag over the ring,
+      0: natural), head stages as configured.
+    attention: the AttentionOptions (backend, blocks) with the mesh's platform;
+      `attention_fn` hands them on.
     ring_size: P of the zigzag reorder (the `context` axis size).
     platform: platform of the mesh devices ('cpu', 'gpu', 'tpu'): the kernels'
       'auto' backend picks for it, not for the host running Python.
-    kernel: the attention options (backend, blocks); `attention_fn` hands them
-      on with the mesh's platform.
     reason: why this strategy (the `auto` choice, or 'configured').
-    head_chunks: ulysses/usp only: run attention in this many head stages
-      (UPipe, lctx/parallel/upipe.py); None: all heads at once.
-    stage_projections: with head_chunks, the model projects q/k/v and the
-      output one head stage at a time (context.make_attention_fn).
+    seq_len: the length the plan was validated for.
   """
 
   mesh: Mesh
-  strategy: str
-  load_balance: bool
+  context: ContextOptions
+  attention: AttentionOptions
   ring_size: int
   platform: str
-  kernel: AttentionOptions
   reason: str = "configured"
-  head_chunks: int | None = None
-  stage_projections: bool = False
+  seq_len: int | None = None
+
+  @property
+  def strategy(self) -> str:
+    return self.context.strategy
+
+  @property
+  def load_balance(self) -> bool:
+    return bool(self.context.load_balance)
+
+  @property
+  def head_chunks(self) -> int | None:
+    return self.context.head_chunks
 
   @property
   def context_degree(self) -> int:
     shape = mesh_lib.mesh_shape(self.mesh)
     return shape.get("context", 1) * shape.get("context_ulysses", 1)
 
-  seq_len: int | None = None
-
   @functools.cached_property
   def attention_fn(self) -> Callable:
     """The full-attention call (docs/contracts.md) for batches in device order."""
-    options = dataclasses.replace(self.kernel, platform=self.platform)
     if self.strategy == "none":
-      return local_attention_fn(mesh=self.mesh, options=options)
+      return local_attention_fn(self.attention, mesh=self.mesh)
     return make_attention_fn(
-      self.mesh,
-      self.strategy,
-      options=options,
-      load_balance=self.load_balance,
-      ulysses_head_chunks=None if self.stage_projections else self.head_chunks,
-      validated_seq_len=self.seq_len,
+      self.mesh, self.context, self.attention, validated_seq_len=self.seq_len
     )
 
   @functools.cached_property
@@ -131,22 +134,15 @@ class ContextPlan:
     the keys the window reaches (lctx/parallel/halo.py); None: attention_fn."""
     if self.strategy not in ("ring", "all_gather", "usp"):
       return None
-    options = dataclasses.replace(self.kernel, platform=self.platform)
     return make_attention_fn(
-      self.mesh,
-      self.strategy,
-      options=options,
-      load_balance=self.load_balance,
-      ulysses_head_chunks=None if self.stage_projections else self.head_chunks,
-      validated_seq_len=self.seq_len,
-      window_aware=True,
+      self.mesh, self.context, self.attention, validated_seq_len=self.seq_len, window_aware=True
     )
 
   @functools.cached_property
   def mixer(self) -> SequenceMixer:
     """The model's sequence-mixer plug-in for this plan (lctx/parallel/mixer.py)."""
     stages = None
-    if self.stage_projections:
+    if self.context.stage_projections:
       stages = stage_heads(self.mesh, self.strategy, self.head_chunks)
     # Strategy 'none': None, the single-device kernels.
     linear = None if self.strategy == "none" else _LinearFnsOnUse(self.mesh, self.load_balance)
@@ -174,7 +170,7 @@ class ContextPlan:
     lb = "zigzag load balance" if self.load_balance else "no load balance"
     return (
       f"strategy {self.strategy} (context degree {self.context_degree}, {lb}, "
-      f"kernel {self.kernel.backend} on {self.platform}): {self.reason}"
+      f"kernel {self.attention.backend} on {self.platform}): {self.reason}"
     )
 
 
@@ -189,18 +185,18 @@ def make_context_plan(
   *,
   seq_len: int,
   batch_size: int,
-  strategy: str = "auto",
-  load_balance: bool | None = None,
-  kernel: AttentionOptions = _DEFAULT_KERNEL,
+  context: ContextOptions = _DEFAULT_CONTEXT,
+  attention: AttentionOptions = _DEFAULT_ATTENTION,
   memory_budget_bytes: int | None = None,
-  head_chunks: int | None = None,
-  stage_projections: bool = False,
 ) -> ContextPlan:
   """Resolves strategy (incl. 'auto'), load balance and ring size; validates.
 
-  Raises ValueError naming the broken rule (lctx/parallel/validation.py) before
-  anything compiles.
+  context: the run's ContextOptions (strategy, load balance, head stages);
+  attention: its AttentionOptions (backend, blocks). Raises a ConfigError
+  naming the broken rule (lctx/parallel/validation.py) before anything compiles.
   """
+  strategy, load_balance = context.strategy, context.load_balance
+  head_chunks, stage_projections = context.head_chunks, context.stage_projections
   if strategy not in (*PLAN_STRATEGIES, "auto"):
     raise ConfigError(
       f"[unknown-strategy] context_parallel_strategy {strategy!r} is not one of "
@@ -217,7 +213,7 @@ def make_context_plan(
     seq_len=seq_len,
     batch_size=batch_size,
     load_balance=load_balance,
-    attention_backend=kernel.backend,
+    attention_backend=attention.backend,
     memory_budget_bytes=memory_budget_bytes,
   )
   if load_balance is None:
@@ -232,7 +228,7 @@ def make_context_plan(
       raise ConfigError("[none-load-balance] strategy 'none' has no ring to balance")
     if head_chunks is not None or stage_projections:
       raise ConfigError(
-        "[head-chunks] ulysses_head_chunks / ulysses_stage_projections stage the ulysses "
+        "[head-chunks] ContextOptions.head_chunks / stage_projections stage the ulysses "
         "all-to-all; strategy 'none' has none"
       )
   elif stage_projections:
@@ -241,27 +237,30 @@ def make_context_plan(
     validate_context_parallel(
       strategy=strategy,
       mesh_shape=shape,
-      num_q_heads=dims.num_q_heads,
+      num_q_heads=dims.num_heads,
       num_kv_heads=dims.num_kv_heads,
       seq_len=seq_len,
       load_balance=load_balance,
     )
-  if kernel.backend == "auto" and platform == "cpu" and not cpu_fused.available():
+  if attention.backend == "auto" and platform == "cpu" and not cpu_fused.available():
     log.warning(
       "attention: the fused C++ CPU kernel is unavailable (%s); float32 calls run "
       "the pure-JAX blockwise kernel",
       cpu_fused.unavailable_reason(),
     )
+  ring_size = zigzag_ring_size(shape)
   plan = ContextPlan(
     mesh=mesh,
-    strategy=strategy,
-    load_balance=bool(load_balance),
-    ring_size=zigzag_ring_size(shape),
+    context=dataclasses.replace(
+      context,
+      strategy=strategy,
+      load_balance=bool(load_balance),
+      token_order=ring_size if load_balance else 0,
+    ),
+    attention=dataclasses.replace(attention, platform=platform),
+    ring_size=ring_size,
     platform=platform,
-    kernel=kernel,
     reason=reason,
-    head_chunks=head_chunks,
-    stage_projections=stage_projections,
     seq_len=seq_len,
   )
   log.info("context plan: %s", plan.describe())
@@ -301,7 +300,8 @@ def context_attention(
     strategy: 'all_gather' | 'ulysses' | 'ring' | 'usp' | 'auto'.
     load_balance: zigzag-reorder with ring size = context before, and undo it
       after (the training path instead gets pre-reordered batches).
-    ulysses_head_chunks: ulysses / usp head stages (UPipe).
+    ulysses_head_chunks: ulysses / usp head stages (UPipe;
+      ContextOptions.head_chunks).
     options: the kernel settings as one AttentionOptions, instead of
       kernel_backend / block_q / block_kv (the mask stays in causal,
       window_size and softmax_scale).
@@ -316,10 +316,10 @@ def context_attention(
     dims,
     seq_len=t,
     batch_size=b,
-    strategy=strategy,
-    load_balance=load_balance,
-    kernel=kernel,
-    head_chunks=ulysses_head_chunks,
+    context=ContextOptions(
+      strategy=strategy, load_balance=load_balance, head_chunks=ulysses_head_chunks
+    ),
+    attention=kernel,
   )
   rows = mesh_lib.mesh_shape(mesh)
   rows = rows.get("data", 1) * rows.get("fsdp", 1)

@@ -9,7 +9,7 @@ hops; at every hop the next K/V (+ ids, positions) ppermute is issued before thi
 hop's compute so XLA can overlap them; partial results merge through their lse.
 A hop whose visiting keys are all masked for these queries (run-time min/max of
 positions and ids) is skipped with lax.cond; long chunks are cut into sub-chunks
-(cfg.sub_chunks, auto by default) whose pairs are skipped independently, in one
+(ContextOptions.sub_chunks, auto by default) whose pairs are skipped independently, in one
 fori_loop over the pairs (traced once, not c^2 times). Inside a hop
 the kernel's block functions skip masked blocks themselves. Backward (custom_vjp): K/V rotate again, dQ accumulates locally and
 dK/dV travel with their block until they arrive back at the owner.
@@ -30,10 +30,11 @@ from lctx.kernels.options import AttentionOptions
 from lctx.kernels.remat_tags import tag_residuals
 from lctx.kernels.shard_typing import cotangent_like, varying_like
 from lctx.parallel import block_ops
+from lctx.parallel.options import ContextOptions
 
 
-def _n_chunks(cfg: AttentionOptions, length: int) -> int:
-  return block_ops.ring_sub_chunks(cfg, length)
+def _n_chunks(ctx: ContextOptions, length: int) -> int:
+  return block_ops.ring_sub_chunks(ctx, length)
 
 
 def _piece(x, i, size, axis=1):
@@ -70,13 +71,13 @@ def _starts(axis, size, t, hop):
   return r * t, ((r - hop) % size) * t
 
 
-def _layout(cfg, size, q, starts, i, j, s):
+def _layout(ctx, size, q, starts, i, j, s):
   """Token layout of the (q piece i, kv piece j) call (None: no static order)."""
   q0, k0 = starts
-  return block_ops.token_layout(cfg, q.shape[1] * size, q0 + i * s, k0 + j * s)
+  return block_ops.token_layout(ctx, q.shape[1] * size, q0 + i * s, k0 + j * s)
 
 
-def _hop_forward(q, seg, pos, kv, acc, c, cfg, size, starts):
+def _hop_forward(q, seg, pos, kv, acc, c, cfg, ctx, size, starts):
   """Merges one visiting K/V block into the (o, lse) accumulators, piece pair by
   piece pair; a pair whose keys are all masked for its queries is skipped."""
   s = q.shape[1] // c
@@ -88,7 +89,7 @@ def _hop_forward(q, seg, pos, kv, acc, c, cfg, size, starts):
     kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
 
     def run(oi, li):
-      layout = _layout(cfg, size, q, starts, i, j, s)
+      layout = _layout(ctx, size, q, starts, i, j, s)
       ob, lb = block_ops.block_forward(
         qi, kj, vj, q_seg=qsi, kv_seg=ksj, q_pos=qpi, kv_pos=kpj, cfg=cfg, layout=layout
       )
@@ -118,11 +119,11 @@ def _opaque(*xs):
   return jax.lax.optimization_barrier(xs)
 
 
-def _ring_forward(cfg, axis, size, q, k, v, seg, pos):
+def _ring_forward(cfg, ctx, axis, size, q, k, v, seg, pos):
   """Returns out `[B, T, N, V]` (q.dtype) and lse `[B, N, T]` float32."""
   q, k, v, seg, pos = _opaque(q, k, v, seg, pos)
   b, t, n, _ = q.shape
-  c = _n_chunks(cfg, t)
+  c = _n_chunks(ctx, t)
   o0 = jnp.zeros((b, t, n, v.shape[-1]), jnp.float32)
   l0 = jnp.full((b, n, t), MASKED_LSE, jnp.float32)
   acc = (varying_like(o0, q, k, v), varying_like(l0, q, k, v))
@@ -132,26 +133,26 @@ def _ring_forward(cfg, axis, size, q, k, v, seg, pos):
     acc, kv = carry
     kv_next = tuple(jax.lax.ppermute(x, axis, perm) for x in kv)  # before compute
     starts = _starts(axis, size, t, hop)
-    return (_hop_forward(q, seg, pos, kv, acc, c, cfg, size, starts), kv_next), None
+    return (_hop_forward(q, seg, pos, kv, acc, c, cfg, ctx, size, starts), kv_next), None
 
   kv = (k, v, seg, pos)
   if size > 1:
     (acc, kv), _ = jax.lax.scan(step, (acc, kv), jnp.arange(size - 1))
-  o, lse = _hop_forward(q, seg, pos, kv, acc, c, cfg, size, _starts(axis, size, t, size - 1))
+  o, lse = _hop_forward(q, seg, pos, kv, acc, c, cfg, ctx, size, _starts(axis, size, t, size - 1))
   return o.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(cfg, axis, size, q, k, v, seg, pos):
-  return _ring_forward(cfg, axis, size, q, k, v, seg, pos)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ring(cfg, ctx, axis, size, q, k, v, seg, pos):
+  return _ring_forward(cfg, ctx, axis, size, q, k, v, seg, pos)[0]
 
 
-def _ring_fwd(cfg, axis, size, q, k, v, seg, pos):
-  out, lse = tag_residuals(*_ring_forward(cfg, axis, size, q, k, v, seg, pos))
+def _ring_fwd(cfg, ctx, axis, size, q, k, v, seg, pos):
+  out, lse = tag_residuals(*_ring_forward(cfg, ctx, axis, size, q, k, v, seg, pos))
   return out, (q, k, v, seg, pos, out, lse)
 
 
-def _hop_backward(res, kv, dkv, dq, c, cfg, size, starts):
+def _hop_backward(res, kv, dkv, dq, c, cfg, ctx, size, starts):
   """Adds one visiting block's contributions to dq (local) and dk/dv (travelling)."""
   s = res[0].shape[1] // c
 
@@ -163,7 +164,7 @@ def _hop_backward(res, kv, dkv, dq, c, cfg, size, starts):
     kj, vj, ksj, kpj = (_piece(x, j, s) for x in (k, v, ks, kp))
 
     def run(dqi, dkj, dvj):
-      layout = _layout(cfg, size, q, starts, i, j, s)
+      layout = _layout(ctx, size, q, starts, i, j, s)
       a, b_, c_ = block_ops.block_backward(
         qi,
         kj,
@@ -190,13 +191,13 @@ def _hop_backward(res, kv, dkv, dq, c, cfg, size, starts):
   return dq, (dk, dv)
 
 
-def _ring_bwd(cfg, axis, size, res, dout):
+def _ring_bwd(cfg, ctx, axis, size, res, dout):
   # The cotangents are typed like the primals as they came in: behind the
   # barrier every operand varies over the union of their axes (K/V replicated
   # over tensor for MQA would look sharded there).
   primals = res[:3]
   q, k, v, seg, pos, out, lse, dout = _opaque(*res, dout)
-  c = _n_chunks(cfg, q.shape[1])
+  c = _n_chunks(ctx, q.shape[1])
   res = (q, seg, pos, out, lse, dout)
   dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v, dout)
   dkv = (
@@ -213,13 +214,13 @@ def _ring_bwd(cfg, axis, size, res, dout):
   def step(carry, hop):
     dq, kv, dkv = carry
     kv_next = send(kv)  # issued before this hop's compute
-    dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg, size, _starts(axis, size, t, hop))
+    dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg, ctx, size, _starts(axis, size, t, hop))
     return (dq, kv_next, send(dkv)), None
 
   kv = (k, v, seg, pos)
   if size > 1:
     (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), jnp.arange(size - 1))
-  dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg, size, _starts(axis, size, t, size - 1))
+  dq, dkv = _hop_backward(res, kv, dkv, dq, c, cfg, ctx, size, _starts(axis, size, t, size - 1))
   if size > 1:
     dkv = send(dkv)  # the last hop's block belongs to the next device
   # Typed like their primals (K/V replicated over tensor for MQA: summed there).
@@ -237,7 +238,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention_local(
-  q, k, v, seg, pos, *, cfg: AttentionOptions, axis_name: str, axis_size: int
+  q, k, v, seg, pos, *, cfg: AttentionOptions, ctx: ContextOptions, axis_name: str, axis_size: int
 ):
-  """Ring attention over `axis_name` (size P) on local shards; returns `[B, T, N, V]`."""
-  return _ring(cfg, axis_name, int(axis_size), q, k, v, seg, pos)
+  """Ring attention over `axis_name` (size P) on local shards; returns `[B, T, N, V]`.
+  cfg: the kernel settings; ctx: the ring's pieces and token order."""
+  return _ring(cfg, ctx, axis_name, int(axis_size), q, k, v, seg, pos)

@@ -9,7 +9,7 @@ Composes with tensor parallelism: n is the heads left after tensor sharding.
 usp: the all-to-all runs over `context_ulysses` (inside a ring group) and ring
 attention over `context` (across groups) on the group's sequence chunk.
 
-cfg.head_chunks > 1 runs either one head group at a time (lctx/parallel/upipe.py).
+ContextOptions.head_chunks > 1 runs either one head group at a time (lctx/parallel/upipe.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax
 
 from lctx.kernels.options import AttentionOptions
 from lctx.parallel import block_ops, upipe
+from lctx.parallel.options import ContextOptions
 from lctx.parallel.ring import ring_attention_local
 
 
@@ -35,16 +36,25 @@ def _gather_tokens(x, axis):
   return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
 
-def ulysses_attention_local(q, k, v, seg, pos, *, cfg: AttentionOptions, axis_name: str):
+def ulysses_attention_local(
+  q, k, v, seg, pos, *, cfg: AttentionOptions, ctx: ContextOptions, axis_name: str
+):
   """Local q `[B, T/A, n, H]` ... -> out `[B, T/A, n, V]`."""
-  if (cfg.head_chunks or 1) > 1:  # UPipe: one head group at a time
+  if (ctx.head_chunks or 1) > 1:  # UPipe: one head group at a time
     seg, pos = _gather_tokens(seg, axis_name), _gather_tokens(pos, axis_name)
     return upipe.upipe_attention_local(
-      q, k, v, seg, pos, cfg=cfg, axis_name=axis_name, attend=upipe.ulysses_stage_attend(cfg)
+      q,
+      k,
+      v,
+      seg,
+      pos,
+      stages=ctx.head_chunks,
+      axis_name=axis_name,
+      attend=upipe.ulysses_stage_attend(cfg, ctx),
     )
   q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
   seg, pos = _gather_tokens(seg, axis_name), _gather_tokens(pos, axis_name)
-  layout = block_ops.token_layout(cfg, q.shape[1], 0, 0)  # the whole sequence
+  layout = block_ops.token_layout(ctx, q.shape[1], 0, 0)  # the whole sequence
   out = block_ops.attend(
     q, k, v, q_seg=seg, kv_seg=seg, q_pos=pos, kv_pos=pos, cfg=cfg, layout=layout
   )
@@ -52,21 +62,33 @@ def ulysses_attention_local(q, k, v, seg, pos, *, cfg: AttentionOptions, axis_na
 
 
 def usp_attention_local(
-  q, k, v, seg, pos, *, cfg: AttentionOptions, ring_axis: str, ring_size: int, ulysses_axis: str
+  q,
+  k,
+  v,
+  seg,
+  pos,
+  *,
+  cfg: AttentionOptions,
+  ctx: ContextOptions,
+  ring_axis: str,
+  ring_size: int,
+  ulysses_axis: str,
 ):
   """Local q `[B, T/(R*U), n, H]` ... -> out `[B, T/(R*U), n, V]`."""
-  if (cfg.head_chunks or 1) > 1:  # UPipe: one head group at a time, each a ring
+  if (ctx.head_chunks or 1) > 1:  # UPipe: one head group at a time, each a ring
     seg, pos = _gather_tokens(seg, ulysses_axis), _gather_tokens(pos, ulysses_axis)
 
     def ring(q, k, v, seg, pos):
       return ring_attention_local(
-        q, k, v, seg, pos, cfg=cfg, axis_name=ring_axis, axis_size=ring_size
+        q, k, v, seg, pos, cfg=cfg, ctx=ctx, axis_name=ring_axis, axis_size=ring_size
       )
 
     return upipe.upipe_attention_local(
-      q, k, v, seg, pos, cfg=cfg, axis_name=ulysses_axis, attend=ring
+      q, k, v, seg, pos, stages=ctx.head_chunks, axis_name=ulysses_axis, attend=ring
     )
   q, k, v = (_to_heads(x, ulysses_axis) for x in (q, k, v))
   seg, pos = _gather_tokens(seg, ulysses_axis), _gather_tokens(pos, ulysses_axis)
-  out = ring_attention_local(q, k, v, seg, pos, cfg=cfg, axis_name=ring_axis, axis_size=ring_size)
+  out = ring_attention_local(
+    q, k, v, seg, pos, cfg=cfg, ctx=ctx, axis_name=ring_axis, axis_size=ring_size
+  )
   return _to_seq(out, ulysses_axis)

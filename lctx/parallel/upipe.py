@@ -2,7 +2,7 @@
 
 Plain ulysses turns every local head into a whole-sequence head at once, so a
 device holds q, k, v, out (and the kernel's buffers) of the whole sequence for
-n/A heads. Here the layer's attention runs in S stages (`AttentionOptions.head_chunks`),
+n/A heads. Here the layer's attention runs in S stages (`ContextOptions.head_chunks`),
 each moving only u = n / (A S) q heads per device through the all-to-all, the
 kernel and the inverse all-to-all; the stages run in a `lax.scan`, so their
 buffers are reused and the attention working set is one stage's. K/V are
@@ -30,6 +30,7 @@ import numpy as np
 from lctx.kernels.options import AttentionOptions
 from lctx.kernels.shard_typing import varying_like
 from lctx.parallel import block_ops
+from lctx.parallel.options import ContextOptions
 
 
 def _to_heads(x, axis):
@@ -74,7 +75,7 @@ def stage_shape(num_heads: int, num_kv_heads: int, degree: int, stages: int):
 
 def head_stages(num_heads: int, num_kv_heads: int, *, degree: int, stages: int):
   """Global head indices of each stage, for a model that projects q/k/v and the
-  output one stage at a time (TrainConfig.ulysses_stage_projections).
+  output one stage at a time (ContextOptions.stage_projections).
 
   Returns (q_heads `[S, A u]`, kv_heads `[S, A w]`) int arrays: stage g's q heads
   are heads j n/A + g u + [0, u) of every all-to-all group j (the heads device j
@@ -97,17 +98,18 @@ def head_stages(num_heads: int, num_kv_heads: int, *, degree: int, stages: int):
   return q, kv
 
 
-def upipe_attention_local(q, k, v, seg, pos, *, cfg: AttentionOptions, axis_name: str, attend):
+def upipe_attention_local(q, k, v, seg, pos, *, stages: int, axis_name: str, attend):
   """Head-chunked all-to-all attention over `axis_name`.
 
   attend(q, k, v, seg, pos) -> out: the whole-sequence attention of one stage
   (`[B, T, u, H]` ... -> `[B, T, u, V]`), e.g. the kernel (ulysses) or a ring over
-  another axis (usp); seg/pos are already gathered over `axis_name`.
+  another axis (usp); seg/pos are already gathered over `axis_name`. stages: the
+  head stages S (ContextOptions.head_chunks).
   """
   b, t_loc, n, h = q.shape
   kh, vd = k.shape[2], v.shape[3]
   a = jax.lax.axis_size(axis_name)
-  stages = cfg.head_chunks or 1
+  stages = stages or 1
   u, w, per_kv = stage_shape(n, kh, a, stages)
   kv_stages = stages // per_kv
   # Strided head views: [.., A groups, stages, heads per stage, D].
@@ -144,11 +146,11 @@ def upipe_attention_local(q, k, v, seg, pos, *, cfg: AttentionOptions, axis_name
   return buf.reshape(b, t_loc, n, vd)
 
 
-def ulysses_stage_attend(cfg: AttentionOptions):
+def ulysses_stage_attend(cfg: AttentionOptions, ctx: ContextOptions):
   """The kernel on one stage's whole sequence (plain ulysses' call)."""
 
   def attend(q, k, v, seg, pos):
-    layout = block_ops.token_layout(cfg, q.shape[1], 0, 0)
+    layout = block_ops.token_layout(ctx, q.shape[1], 0, 0)
     return block_ops.attend(
       q, k, v, q_seg=seg, kv_seg=seg, q_pos=pos, kv_pos=pos, cfg=cfg, layout=layout
     )

@@ -441,7 +441,7 @@ def compile_step(exp, *, topology: str, num_slices: int = 1, step: str = "train"
     return record
   per_device = _memory(compiled)
   hlo = compiled.as_text()
-  record["attention_backend"] = attention_backend_of(hlo, exp.train.attention_backend)
+  record["attention_backend"] = attention_backend_of(hlo, exp.train.attention_options.backend)
   record["per_device"] = per_device
   record["host_bytes_per_vm"] = per_device["host_bytes"] * devices_per_vm
   record["flops_per_device"] = _flops(compiled)

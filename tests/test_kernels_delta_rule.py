@@ -218,3 +218,15 @@ def test_short_conv_segments_and_halo():
       halo_segment_ids=jnp.asarray(seg[:, cut - 3 : cut]),
     )
     assert _rel(right, got[:, cut:]) < 1e-6
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_default_chunk_values(per_channel):
+  """The default 64-token chunks (the in-chunk solve by matmul squarings), values only."""
+  t = 150
+  q, k, v, g, beta, _ = _inputs(t, per_channel, seed=9)
+  with jax.enable_x64(True):
+    ro, rs = delta_rule_reference(*(jnp.asarray(x) for x in (q, k, v, g * 0.1, beta)))
+    ro, rs = np.asarray(ro), np.asarray(rs)
+  o, s = delta_rule(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g * 0.1, beta)))
+  assert _rel(o, ro) < 1e-4 and _rel(s, rs) < 1e-4

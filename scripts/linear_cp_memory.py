@@ -4,6 +4,8 @@ shards at a fixed per-device length. Prints a table and writes JSON.
 
   python scripts/linear_cp_memory.py [--out=/tmp/linear_cp_memory.json]
   python scripts/linear_cp_memory.py --topology=v5p:4x4x4 --tokens=1048576
+  flock /work/wt/bigjob.lock nice -n 10 python scripts/linear_cp_memory.py \
+      --topology=v5p:4x4x4 --tokens=16777216        # a few GiB of host memory
 
 With --topology: one GDN-shaped layer (32 heads, head dims 128, bf16 inputs, zigzag)
 compiled for that TPU slice (compile only, context = every device): the TPU
@@ -13,6 +15,7 @@ compiler's memory figures and the collective bytes one device sends.
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
@@ -60,8 +63,11 @@ def compile_tpu(topology: str, tokens: int) -> dict:
   from lctx.parallel.linear_context import ring_attention_bytes
   from lctx.parallel.mesh import MeshConfig, make_mesh
   from lctx.sizing import hlo_flops
-  from lctx.sizing.devices import topology_devices
-  from lctx.sizing.tpu import collective_bytes
+  from lctx.sizing.compile import collective_bytes
+  from lctx.sizing.devices import compile_only_env
+  from lctx.sizing.tpu import topology_devices
+
+  compile_only_env()
 
   devices = topology_devices(topology)
   mesh = make_mesh(MeshConfig(context=-1), devices)
@@ -76,10 +82,15 @@ def compile_tpu(topology: str, tokens: int) -> dict:
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
   args = (s(1, tokens, heads, dim),) * 3 + (s(1, tokens, heads),) * 2
+  t0 = time.perf_counter()
   compiled = step.lower(*args).compile()
+  seconds = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   coll = collective_bytes(hlo_flops.matmul_flops(compiled.as_text()), mesh)
   local = tokens // ways
+  ring = ring_attention_bytes(
+    batch=1, tokens=local, kv_heads=heads, head_dim=dim, value_dim=dim, ways=ways
+  )
   return {
     "topology": topology,
     "tokens": tokens,
@@ -94,9 +105,10 @@ def compile_tpu(topology: str, tokens: int) -> dict:
     "counted_state_exchange_bytes_fwd": state_exchange_bytes(
       batch=1, heads=heads, key_dim=dim, value_dim=dim, ways=ways, load_balance=True
     )["total"],
-    "ring_attention_pass_bytes_fwd": ring_attention_bytes(
-      batch=1, tokens=local, kv_heads=heads, head_dim=dim, value_dim=dim, ways=ways
-    ),
+    "ring_attention_pass_bytes_fwd": ring,
+    "exchange_over_one_ring_pass": coll["collective_bytes_per_device"] / ring,
+    "compile_seconds": round(seconds, 1),
+    "jax_version": jax.__version__,
   }
 
 

@@ -14,13 +14,13 @@ the compile checks, tests/test_sizing_linear.py, say how far they are):
   input and the SwiGLU's, as for attention;
 - the layer's backward (`linear_buffer_bytes`): the delta rule's inputs and their
   f32 cotangents per token, the two-level scan's kept chunk states (about
-  2 sqrt(T / C) of [N, K, V] f32, and as many [N, K, K + V] ones for the
-  context-parallel summary pass), the all-gathered summaries of every piece and
+  2 sqrt(T / C) of [N, K, V] f32, and as many [N, K, V] and [N, K, K] ones for
+  the context-parallel summary pass), the all-gathered summaries of every piece and
   their cotangent (O(devices): lctx/parallel/linear_context.py);
 - FLOPs: the chunked delta rule's forward (models.config.linear_mixer_flops),
   its backward (2 x), the two remat levels inside the kernel (+2 forwards), and
-  under context parallelism the summary pass over [v | 0] from [0 | I]
-  (`summary_flops_per_token`) with the same factors;
+  under context parallelism the summary pass (two final-state scans per piece,
+  `summary_flops_per_token`) with the same factors;
 - bytes: `state_exchange_bytes` per pass (forward, each recompute) and twice that
   in the backward (the compiler turns the gather's transpose into an all-reduce).
 
@@ -49,14 +49,23 @@ def _scan_states(chunks: float) -> float:
   return 2.0 * math.sqrt(chunks)
 
 
+def _final_state_flops(heads, key_dim, width, chunk) -> float:
+  """Forward FLOPs per token of the delta rule's final state alone (no output
+  reads) with `width` state columns: k k^T, the in-chunk solve and the two state
+  products (models.config.delta_rule_flops_per_token less q's terms)."""
+  c, k, w = chunk, key_dim, width
+  rounds = max(0, math.ceil(math.log2(c)) - 1) if c > 1 else 0
+  per_chunk = 2 * c * c * k + 2 * c * c * (w + k) + rounds * (2 * c**3 + 2 * c * c * (w + k))
+  per_chunk += 2 * 2 * c * k * w
+  return heads * per_chunk / c
+
+
 def summary_flops_per_token(model, chunk: int = models_config.LINEAR_CHUNK) -> float:
-  """Forward FLOPs per token of the context-parallel summary pass: the delta rule
-  over v widened by K columns, with no output reads (lctx/parallel/linear_context.py)."""
+  """Forward FLOPs per token of the context-parallel summary pass: the final state
+  over v from 0 (V columns) and of the v = 0 recurrence from I (K columns),
+  lctx/parallel/linear_context.py."""
   n, k, v = model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim
-  wide = v + k
-  full = models_config.delta_rule_flops_per_token(n, k, wide, chunk)
-  # Less the output reads: q S (2 K V') and the in-chunk q k^T (2 C K) and its product (2 C V').
-  return full - n * (2 * k * wide + 2 * chunk * k + 2 * chunk * wide)
+  return _final_state_flops(n, k, v, chunk) + _final_state_flops(n, k, k, chunk)
 
 
 def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:

@@ -3,11 +3,19 @@ fake CPU devices: how the all-gathered summaries grow with the number of sequenc
 shards at a fixed per-device length. Prints a table and writes JSON.
 
   python scripts/linear_cp_memory.py [--out=/tmp/linear_cp_memory.json]
+  python scripts/linear_cp_memory.py --topology=v5p:4x4x4 --tokens=1048576
+  flock /work/wt/bigjob.lock nice -n 10 python scripts/linear_cp_memory.py \
+      --topology=v5p:4x4x4 --tokens=16777216        # a few GiB of host memory
+
+With --topology: one GDN-shaped layer (32 heads, head dims 128, bf16 inputs, zigzag)
+compiled for that TPU slice (compile only, context = every device): the TPU
+compiler's memory figures and the collective bytes one device sends.
 """
 
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
@@ -51,8 +59,70 @@ def measure(ways: int, load_balance: bool) -> dict:
   }
 
 
+def compile_tpu(topology: str, tokens: int) -> dict:
+  from lctx.parallel.linear_context import ring_attention_bytes
+  from lctx.parallel.mesh import MeshConfig, make_mesh
+  from lctx.sizing import hlo_flops
+  from lctx.sizing.compile import collective_bytes
+  from lctx.sizing.devices import compile_only_env
+  from lctx.sizing.tpu import topology_devices
+
+  compile_only_env()
+
+  devices = topology_devices(topology)
+  mesh = make_mesh(MeshConfig(context=-1), devices)
+  ways = len(devices)
+  heads, dim = 32, 128
+  fns = make_linear_fns(mesh, load_balance=True)
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+
+  def loss(q, k, v, g, beta):
+    o = fns.delta_rule(q, k, v, g, beta, segment_ids=None)
+    return jnp.sum(o.astype(jnp.float32))
+
+  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  args = (s(1, tokens, heads, dim),) * 3 + (s(1, tokens, heads),) * 2
+  t0 = time.perf_counter()
+  compiled = step.lower(*args).compile()
+  seconds = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  coll = collective_bytes(hlo_flops.matmul_flops(compiled.as_text()), mesh)
+  local = tokens // ways
+  ring = ring_attention_bytes(
+    batch=1, tokens=local, kv_heads=heads, head_dim=dim, value_dim=dim, ways=ways
+  )
+  return {
+    "topology": topology,
+    "tokens": tokens,
+    "ways": ways,
+    "heads": heads,
+    "head_dim": dim,
+    "temp_bytes": int(mem.temp_size_in_bytes),
+    "argument_bytes": int(mem.argument_size_in_bytes),
+    "output_bytes": int(mem.output_size_in_bytes),
+    "collective_bytes_per_device": coll["collective_bytes_per_device"],
+    "collective_bytes_by_kind": coll["collective_bytes_by_kind"],
+    "counted_state_exchange_bytes_fwd": state_exchange_bytes(
+      batch=1, heads=heads, key_dim=dim, value_dim=dim, ways=ways, load_balance=True
+    )["total"],
+    "ring_attention_pass_bytes_fwd": ring,
+    "exchange_over_one_ring_pass": coll["collective_bytes_per_device"] / ring,
+    "compile_seconds": round(seconds, 1),
+    "jax_version": jax.__version__,
+  }
+
+
 def main():
   out = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--out=")), None)
+  topo = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--topology=")), None)
+  if topo:
+    tokens = int(next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--tokens=")))
+    rec = compile_tpu(topo, tokens)
+    print(json.dumps(rec, indent=1))
+    if out:
+      with open(out, "w") as f:
+        json.dump(rec, f, indent=1)
+    return
   rows = [measure(w, lb) for w in (2, 4, 8) for lb in (False, True)]
   print(f"B={B} N={N} H={H} V={V}, {LOCAL} tokens per device, float32, fwd+bwd")
   print(f"{'ways':>4} {'zigzag':>6} {'temp MiB':>9} {'gathered MiB':>12} {'sent MiB':>9}")

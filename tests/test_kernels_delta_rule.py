@@ -218,3 +218,45 @@ def test_short_conv_segments_and_halo():
       halo_segment_ids=jnp.asarray(seg[:, cut - 3 : cut]),
     )
     assert _rel(right, got[:, cut:]) < 1e-6
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_default_chunk_values(per_channel):
+  """The default 64-token chunks (the in-chunk solve by matmul squarings), values only."""
+  t = 150
+  q, k, v, g, beta, _ = _inputs(t, per_channel, seed=9)
+  with jax.enable_x64(True):
+    ro, rs = delta_rule_reference(*(jnp.asarray(x) for x in (q, k, v, g * 0.1, beta)))
+    ro, rs = np.asarray(ro), np.asarray(rs)
+  o, s = delta_rule(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g * 0.1, beta)))
+  assert _rel(o, ro) < 1e-4 and _rel(s, rs) < 1e-4
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_two_level_scan_matches_float64_reference(per_channel):
+  """37 packed tokens in chunks of 4: 10 chunks, scanned as 5 groups of 2."""
+  from lctx.kernels.delta_rule import scan_group
+
+  assert scan_group(10) == 2 and scan_group(7) == 1 and scan_group(8192) == 64
+  _check_against_reference(37, per_channel, _packed(37), chunk_size=4)
+
+
+def test_two_level_scan_keeps_fewer_states(monkeypatch):
+  """The backward's compiled temporaries with groups of chunks, against one state
+  per chunk (scan_group forced to 1): 512 chunks of [64, 64] float32 states."""
+  from lctx.kernels import delta_rule as dr
+
+  t, c, n, h = 4096, 8, 1, 64
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  args = (s(1, t, n, h), s(1, t, n, h), s(1, t, n, h), s(1, t, n), s(1, t, n))
+
+  def temp():
+    loss = lambda *a: jnp.sum(dr.delta_rule(*a, chunk_size=c)[0])  # noqa: E731
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+  two_level = temp()
+  monkeypatch.setattr(dr, "scan_group", lambda chunks: 1)
+  one_level = temp()
+  per_chunk_states = (t // c) * n * h * h * 4
+  assert one_level - two_level > 0.75 * per_chunk_states, (one_level, two_level)

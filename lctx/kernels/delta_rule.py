@@ -20,8 +20,10 @@ with Gamma_t the decay from the chunk start to t, and a `lax.scan` carries the s
 across chunks. All decay exponents are differences G_i - G_j with j <= i (never
 positive), resets enter as masks (tokens i, j interact iff no reset lies in (j, i]),
 and the state and gate products are float32. The scan body is rematerialised
-(`jax.checkpoint`), so the backward pass keeps one state per chunk: memory and
-work are linear in T.
+(`jax.checkpoint`), and the scan runs in two levels (groups of about sqrt(T/C)
+chunks, each group rematerialised: `scan_group`), so the backward pass keeps
+about 2 sqrt(T/C) states rather than T/C, for one more forward of the scan:
+work is linear in T, memory linear in T for the inputs and their cotangents.
 
 Shapes (docs/contracts.md legend): B batch, T length, N heads, H key dim, V value
 dim, C chunk tokens.
@@ -30,6 +32,7 @@ dim, C chunk tokens.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -178,10 +181,32 @@ def _scan(q, k, v, g, beta, segment_ids, initial_state, chunk_size, want_out):
     functools.partial(_chunk_step, per_channel=g.ndim == 4, want_out=want_out),
     prevent_cse=False,
   )
-  final, o = jax.lax.scan(step, state, xs)
+  chunks = xs[0].shape[0]
+  group = scan_group(chunks)
+  if group > 1:
+    # Two levels: the backward keeps one state per group of chunks and, while it
+    # runs one group, that group's per-chunk states (its forward run again).
+    xs = tuple(x.reshape(chunks // group, group, *x.shape[1:]) for x in xs)
+    inner = jax.checkpoint(lambda s, xg: jax.lax.scan(step, s, xg), prevent_cse=False)
+    final, o = jax.lax.scan(inner, state, xs)
+    if o is not None:
+      o = o.reshape(chunks, *o.shape[2:])
+  else:
+    final, o = jax.lax.scan(step, state, xs)
   if o is not None:
     o = jnp.moveaxis(o, 0, 1).reshape(b, t + pad, n, v.shape[3])[:, :t]
   return o, final
+
+
+def scan_group(chunks: int) -> int:
+  """Chunks per group of the two-level scan: the largest divisor of `chunks` no
+  larger than sqrt(chunks), so the backward keeps about 2 sqrt(chunks) states
+  instead of one per chunk; 1 (one level) when there is none above 1."""
+  best = 1
+  for d in range(2, math.isqrt(chunks) + 1):
+    if chunks % d == 0:
+      best = d
+  return best
 
 
 def delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64):

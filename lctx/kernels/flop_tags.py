@@ -8,7 +8,8 @@ therefore states, at trace time, what its own block map makes it compute, as
 name scopes that XLA keeps in every op's `metadata={op_name=...}`:
 
 - `lctx_attention`: every op of an attention call (so that an HLO reader can
-  tell attention matmuls from the dense ones);
+  tell attention matmuls from the dense ones); `lctx_linear` likewise for a
+  linear-attention layer's conv and delta rule (LINEAR_SCOPE);
 - `lctx_flops=N`: each kernel custom call made inside computes N FLOPs (the
   innermost tag holds); `lctx_bwd_flops=N` the same for the backward custom
   calls a library emits under the forward's scope (cuDNN's);
@@ -43,6 +44,10 @@ import numpy as np
 from lctx.kernels.block_map import block_map, block_stats
 
 ATTENTION_SCOPE = "lctx_attention"
+# Every op of a linear-attention layer's sequence work (its short convs and delta
+# rule, with their context-parallel halos and state exchange): hlo_flops reports
+# their matmuls and collectives apart (they stay in the dense figure).
+LINEAR_SCOPE = "lctx_linear"
 FLOPS_TAG = "lctx_flops="
 BWD_FLOPS_TAG = "lctx_bwd_flops="
 TRIPS_TAG = "lctx_trips="
@@ -66,6 +71,10 @@ def splash_dq_pair_flops(h: int, v: int) -> int:
 
 def attention_scope():
   return jax.named_scope(ATTENTION_SCOPE)
+
+
+def linear_scope():
+  return jax.named_scope(LINEAR_SCOPE)
 
 
 def in_attention_scope(fn):

@@ -7,6 +7,7 @@ H head dim (q/k), V value head dim, D d_model, F MLP hidden, E vocab.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -659,13 +660,47 @@ def linear_layer_params(c: ModelConfig) -> int:
   return d * (2 * qk + 2 * vv) + vv * d + 2 * d * hv + 2 * hv + v + conv
 
 
+LINEAR_CHUNK = 64  # lctx.kernels.delta_rule's default chunk (tokens)
+
+
+def delta_rule_flops_per_token(
+  heads: int, key_dim: int, value_dim: int, chunk: int = LINEAR_CHUNK
+) -> float:
+  """Forward matmul FLOPs per token of the chunked delta rule as
+  lctx.kernels.delta_rule computes it, for `heads` (value) heads of key dim K and
+  value dim V in chunks of C tokens. Per chunk and head: the strictly lower
+  k k^T 2C^2 K; the in-chunk solve (I + L) X = [beta V | beta Gamma K] by
+  matmuls, 2C^2 (V + K) plus (ceil(log2 C) - 1) squarings of 2C^3 + 2C^2 (V + K);
+  the state read, update and output read, 3 x 2CKV; the in-chunk q k^T 2C^2 K
+  and its product with the new values 2C^2 V. Elementwise work is not counted."""
+  c, k, v = chunk, key_dim, value_dim
+  rounds = max(0, math.ceil(math.log2(c)) - 1) if c > 1 else 0
+  per_chunk = (
+    2 * c * c * k
+    + 2 * c * c * (v + k)
+    + rounds * (2 * c**3 + 2 * c * c * (v + k))
+    + 3 * 2 * c * k * v
+    + 2 * c * c * k
+    + 2 * c * c * v
+  )
+  return heads * per_chunk / c
+
+
+def linear_mixer_flops(c: ModelConfig) -> float:
+  """Forward FLOPs per token of one linear layer's sequence work: the chunked delta
+  rule over the value heads (`delta_rule_flops_per_token`); its projections and
+  conv are `2 x linear_layer_params`."""
+  return delta_rule_flops_per_token(
+    c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+  )
+
+
 def linear_layer_flops(c: ModelConfig, seq_len: int) -> float:
-  """Forward FLOPs per token of one linear layer: 2 x its matmul weights, plus the
-  chunked delta rule's per-token work at chunk 64 (the state read and update,
-  4 x Hv x K x V, and the within-chunk products, about 2 x 64 x Hv x (K + V))."""
-  hv, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-  chunk = min(64, seq_len)
-  return 2.0 * linear_layer_params(c) + 4.0 * hv * k * v + 2.0 * chunk * hv * (k + v)
+  """Forward FLOPs per token of one linear layer's token mixer: 2 x its weights
+  (projections and the depthwise conv's taps) plus the chunked delta rule
+  (`linear_mixer_flops`, independent of the length: the model's linear cost)."""
+  del seq_len
+  return 2.0 * linear_layer_params(c) + linear_mixer_flops(c)
 
 
 def _validate_gemma_options(c: ModelConfig) -> None:

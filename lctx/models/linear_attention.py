@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from lctx.kernels import flop_tags
 from lctx.models.config import ModelConfig
 from lctx.models.layers import constrain, fan_in_init, param
 from lctx.parallel.mixer import as_mixer
@@ -80,7 +81,8 @@ def gated_rms_norm(o, gate, scale, eps, activation):
 def _conv(ops, x, weight, segment_ids):
   """The causal conv + SiLU of one projection `[B, T, H, K]` (channels H*K)."""
   b, t, h, k = x.shape
-  y = ops.short_conv(x.reshape(b, t, h * k), weight, None, segment_ids=segment_ids)
+  with flop_tags.linear_scope():
+    y = ops.short_conv(x.reshape(b, t, h * k), weight, None, segment_ids=segment_ids)
   return y.reshape(b, t, h, k)
 
 
@@ -99,7 +101,8 @@ def _delta_rule(mixer, c, q, k, v, g, beta, segment_ids):
     checkpoint_name(k, "key_proj"),
     checkpoint_name(v, "value_proj"),
   )
-  o = linear_ops(mixer).delta_rule(q, k, v, g, beta, segment_ids=segment_ids)
+  with flop_tags.linear_scope():  # sizing reads the mixer's matmuls and exchange apart
+    o = linear_ops(mixer).delta_rule(q, k, v, g, beta, segment_ids=segment_ids)
   return checkpoint_name(constrain(o, _QK_NAMES), "attention_out")
 
 

@@ -297,13 +297,24 @@ def step_figures(
   total = dense matmuls + attention (both with every recompute the program
   does); model = the trainer's formula (ModelConfig.flops_per_token: 3 x forward
   for a train step, the forward alone for the eval step, training=False; no
-  recompute); recompute_ratio = total / model. The step time is
-  hardware.step_time's estimate (labelled as one)."""
+  recompute; linear-attention layers at their chunked delta rule's count,
+  models.config.linear_mixer_flops); recompute_ratio = total / model. Linear
+  layers' sequence work (LINEAR_SCOPE: conv and delta rule, with the context-
+  parallel summaries) is part of dense, also reported alone beside the model's
+  figure for it, with the collective bytes of their state exchange and halos.
+  The step time is hardware.step_time's estimate (labelled as one)."""
+  from lctx.models import config as models_config  # pylint: disable=g-import-not-at-top
+
   devices = mesh.devices.size
   tokens = train.batch_size * train.seq_len
   per_token = model.flops_per_token(train.seq_len, causal=True, training=training)
   model_flops = per_token * tokens / devices
   total = count["dense_flops"] + count["attention_flops"]
+  linear_layers = sum(t == "linear_attention" for t in model.layer_types)
+  model_linear = (
+    (3 if training else 1) * linear_layers * models_config.linear_mixer_flops(model) * tokens
+  ) / devices
+  linear_bytes = count.get("linear_collective_bytes", {})
   out = {
     "dense_flops_per_device": count["dense_flops"],
     "attention_flops_per_device": count["attention_flops"],
@@ -311,6 +322,11 @@ def step_figures(
     "model_flops_per_device": model_flops,
     "recompute_ratio": total / model_flops if model_flops else None,
     "estimated_trip_count_loops": count["estimated_trip_count_loops"],
+    "linear_layers": linear_layers,
+    "linear_flops_per_device": count.get("linear_dot_flops", 0.0),
+    "model_linear_flops_per_device": model_linear,
+    "linear_collective_bytes_per_device": sum(linear_bytes.values()),
+    "linear_collective_bytes_by_kind": {k: v for k, v in linear_bytes.items() if v},
   }
   out.update(collective_bytes(count, mesh))
   host = count["host_transfer_bytes"]
@@ -546,6 +562,16 @@ def summary(record: dict[str, Any]) -> str:
       f"{r['dense_flops_per_device']:.4g} + attention {r['attention_flops_per_device']:.4g}; "
       f"model (trainer's formula) {r['model_flops_per_device']:.4g}; recompute ratio "
       f"{r['recompute_ratio']:.3f}",
+    ]
+    if r.get("linear_layers"):
+      lines.append(
+        f"  linear layers ({r['linear_layers']}): conv + delta rule FLOPs per device "
+        f"{r['linear_flops_per_device']:.4g} (in dense; model {r['model_linear_flops_per_device']:.4g}); "
+        f"state exchange and halos {_size(r['linear_collective_bytes_per_device'])} per device ("
+        + ", ".join(f"{k} {_size(v)}" for k, v in r["linear_collective_bytes_by_kind"].items())
+        + ")"
+      )
+    lines += [
       f"  bytes per device per step: collectives {_size(r['collective_bytes_per_device'])} "
       f"(ICI {_size(r['ici_bytes_per_device'])}, DCN {_size(r['dcn_bytes_per_device'])}; "
       + ", ".join(f"{k} {_size(v)}" for k, v in r["collective_bytes_by_axis"].items())

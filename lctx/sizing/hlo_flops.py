@@ -57,7 +57,13 @@ from typing import Any
 
 import numpy as np
 
-from lctx.kernels.flop_tags import ATTENTION_SCOPE, BWD_FLOPS_TAG, FLOPS_TAG, TRIPS_TAG
+from lctx.kernels.flop_tags import (
+  ATTENTION_SCOPE,
+  BWD_FLOPS_TAG,
+  FLOPS_TAG,
+  LINEAR_SCOPE,
+  TRIPS_TAG,
+)
 
 # Custom-call targets that run a user kernel whose FLOPs HLO cannot see.
 KERNEL_TARGETS = frozenset(
@@ -535,6 +541,8 @@ class _Tally:
   hi: float = 0.0  # dot + convolution FLOPs, conditionals at their costliest branch
   lo: float = 0.0  # ... at their cheapest
   attention_dots: float = 0.0  # the part of hi inside attention calls
+  linear_dots: float = 0.0  # the part of hi inside linear-attention sequence work
+  linear_collectives: dict = dataclasses.field(default_factory=dict)  # kind -> bytes
   kernel_flops: float = 0.0  # tagged kernel custom calls
   kernel_calls: float = 0.0  # ... how many
   untagged: dict = dataclasses.field(default_factory=dict)  # kernel calls by name
@@ -545,12 +553,14 @@ class _Tally:
     self.hi += times * other.hi
     self.lo += times * other.lo
     self.attention_dots += times * other.attention_dots
+    self.linear_dots += times * other.linear_dots
     self.kernel_flops += times * other.kernel_flops
     self.kernel_calls += times * other.kernel_calls
     for mine, theirs in (
       (self.untagged, other.untagged),
       (self.collectives, other.collectives),
       (self.host, other.host),
+      (self.linear_collectives, other.linear_collectives),
     ):
       for k, v in theirs.items():
         mine[k] = mine.get(k, 0) + v * times
@@ -565,7 +575,10 @@ def matmul_flops(hlo_text: str) -> dict[str, Any]:
   of dot_flops inside attention calls: the pure-JAX kernels),
   `attention_kernel_flops` (tagged kernel custom calls: splash, cuDNN, the CPU
   kernel), `attention_flops` (their sum), `dense_flops` (dot_flops less the
-  attention dots), `custom_calls` (untagged Mosaic/Pallas/Triton kernel
+  attention dots), `linear_dot_flops` (the part of dense_flops inside
+  linear-attention sequence work: LINEAR_SCOPE), `linear_collective_bytes` (the
+  collectives inside it, by kind: the state exchange and conv halos),
+  `custom_calls` (untagged Mosaic/Pallas/Triton kernel
   launches, with multiplicity, whose FLOPs are not counted),
   `custom_calls_by_kernel`, `kernel_calls_counted`, `collectives` (rows of kind,
   groups, bytes per step), `host_transfer_bytes` ({'to_host', 'to_device'}),
@@ -575,16 +588,19 @@ def matmul_flops(hlo_text: str) -> dict[str, Any]:
   None when unknown) and `conditionals`.
   """
   comps, entry = parse(hlo_text)
-  memo: dict[tuple[str, bool], _Tally] = {}
+  memo: dict[tuple[str, bool, bool], _Tally] = {}
   loops: dict[str, float | None] = {}
   tagged_loops = [0]
   conditionals = [0]
 
-  def cost(name: str, stack: tuple[str, ...] = (), in_attention: bool = False) -> _Tally:
-    # in_attention: the caller's op is an attention op (ops that XLA made, such
-    # as the dots of a fusion, may carry no op_name of their own).
-    if (name, in_attention) in memo:
-      return memo[name, in_attention]
+  def cost(
+    name: str, stack: tuple[str, ...] = (), in_attention: bool = False, in_linear: bool = False
+  ) -> _Tally:
+    # in_attention / in_linear: the caller's op is an attention (linear-attention)
+    # op (ops that XLA made, such as the dots of a fusion, may carry no op_name of
+    # their own).
+    if (name, in_attention, in_linear) in memo:
+      return memo[name, in_attention, in_linear]
     if name in stack:
       raise ValueError(f"recursive HLO call graph at {name!r}")
     comp = comps[name]
@@ -593,12 +609,15 @@ def matmul_flops(hlo_text: str) -> dict[str, Any]:
       op, attrs = instr.opcode, instr.attrs
       here = op_name(instr)
       attn = ATTENTION_SCOPE in here if here else in_attention
-      sub = (*stack, name), attn
+      lin = LINEAR_SCOPE in here if here else in_linear
+      sub = (*stack, name), attn, lin
       if op in ("dot", "convolution"):
         f = dot_flops(comp, instr) if op == "dot" else conv_flops(comp, instr)
         t.hi, t.lo = t.hi + f, t.lo + f
         if attn:
           t.attention_dots += f
+        elif lin:
+          t.linear_dots += f
       elif op == "custom-call":
         f = kernel_call_flops(instr)
         target = _TARGET.search(attrs)
@@ -611,6 +630,8 @@ def matmul_flops(hlo_text: str) -> dict[str, Any]:
       if found:
         key = found[:2]
         t.collectives[key] = t.collectives.get(key, 0.0) + found[2]
+        if lin and not attn:
+          t.linear_collectives[found[0]] = t.linear_collectives.get(found[0], 0.0) + found[2]
       moved = host_transfer(comp, instr)
       if moved:
         t.host[moved[0]] = t.host.get(moved[0], 0.0) + moved[1]
@@ -656,6 +677,8 @@ def matmul_flops(hlo_text: str) -> dict[str, Any]:
     "attention_dot_flops": t.attention_dots,
     "attention_kernel_flops": t.kernel_flops,
     "attention_flops": attention,
+    "linear_dot_flops": t.linear_dots,
+    "linear_collective_bytes": {k: t.linear_collectives.get(k, 0.0) for k in COLLECTIVES},
     "kernel_calls_counted": round(t.kernel_calls),
     "custom_calls": round(sum(t.untagged.values())),
     "custom_calls_by_kernel": {k: round(v) for k, v in sorted(t.untagged.items())},

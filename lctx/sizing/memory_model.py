@@ -95,6 +95,8 @@ class ModelDims:
     head_dim, v_head_dim: H (q/k) and V.
     layer_params: parameters of one decoder layer.
     embedding_params: the input table plus the untied unembedding (E x D each).
+    linear_layers: how many layers are linear attention (hybrids); their
+      shapes are read from `linear`, the ModelConfig (lctx/sizing/linear_layers.py).
   """
 
   vocab_size: int
@@ -107,6 +109,12 @@ class ModelDims:
   mlp_dim: int
   layer_params: int
   embedding_params: int
+  linear_layers: int = 0
+  linear: Any = None
+
+  @property
+  def attention_layers(self) -> int:
+    return self.num_layers - self.linear_layers
 
   @property
   def num_params(self) -> int:
@@ -262,7 +270,11 @@ def remat_table(setup: Setup) -> dict[str, str]:
 
 
 def remat_saved_bytes_per_token(
-  dims: ModelDims, setup: Setup, device_scale: float = 1.0, residual_scale: float | None = None
+  dims: ModelDims,
+  setup: Setup,
+  device_scale: float = 1.0,
+  residual_scale: float | None = None,
+  sizes=None,
 ) -> tuple[float, float]:
   """(device, host) bytes one layer keeps per token for the backward pass.
 
@@ -272,13 +284,17 @@ def remat_saved_bytes_per_token(
   some of them twice, or in f32), those of the untagged 'residuals' (remat
   'none') by `residual_scale` (COEFFICIENTS['residual_scale']; None: as the
   tagged ones). The attention kernel's own residuals (ATTENTION_RESIDUALS: its
-  output and lse, the custom VJP's) are kept once, as the kernel wrote them."""
+  output and lse, the custom VJP's) are kept once, as the kernel wrote them.
+  sizes(name) -> bytes per token: a linear layer's tensors
+  (lctx/sizing/linear_layers.py); None: an attention layer's."""
+  if sizes is None:
+    sizes = lambda name: tensor_bytes_per_token(name, dims, setup)  # noqa: E731
   scale = {"layer_input": 1.0, **dict.fromkeys(models_config.ATTENTION_RESIDUALS, 1.0)}
   scale["residuals"] = device_scale if residual_scale is None else residual_scale
   device = host = 0.0
   k = max(1, setup.remat_group_size)
   for name, where in remat_table(setup).items():
-    b = tensor_bytes_per_token(name, dims, setup) / (k if name == "layer_input" else 1)
+    b = sizes(name) / (k if name == "layer_input" else 1)
     if where == "offload":
       host += b
     elif where == "device":
@@ -318,6 +334,7 @@ class Breakdown:
   loss: int
   host: int
   embeddings: int = 0
+  linear_buffers: int = 0
 
   STATE_FIELDS = (
     "parameters",
@@ -328,11 +345,15 @@ class Breakdown:
     "embeddings",
   )
   LAYER_FIELDS = ("gathered_weights", "layer_backward", "mlp_backward", "attention_buffers")
+  # A hybrid's layer phase holds one layer's backward at a time: the attention
+  # layer's buffers or the linear layer's (linear_buffers), the larger of the two.
 
   @property
   def layer_phase(self) -> int:
-    """Gathered weights, the layer's residual stream, its MLP's and attention's buffers."""
-    return sum(getattr(self, f) for f in self.LAYER_FIELDS)
+    """Gathered weights, the layer's residual stream, its MLP's and attention's buffers
+    (or a linear layer's, where larger)."""
+    rest = sum(getattr(self, f) for f in self.LAYER_FIELDS if f != "attention_buffers")
+    return rest + max(self.attention_buffers, self.linear_buffers)
 
   @property
   def peak_phase(self) -> str:
@@ -350,7 +371,8 @@ class Breakdown:
 
   def as_dict(self) -> dict[str, Any]:
     out: dict[str, Any] = {
-      f: getattr(self, f) for f in (*self.STATE_FIELDS, *self.LAYER_FIELDS, "loss", "host")
+      f: getattr(self, f)
+      for f in (*self.STATE_FIELDS, *self.LAYER_FIELDS, "linear_buffers", "loss", "host")
     }
     out["peak_phase"] = self.peak_phase
     out["total"] = self.total
@@ -456,6 +478,21 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   dev_tok, host_tok = remat_saved_bytes_per_token(
     dims, setup, co["saved_tensor_scale"], co["residual_scale"]
   )
+  saved_dev, saved_host = dims.attention_layers * dev_tok, dims.attention_layers * host_tok
+  linear_buffers = 0.0
+  if dims.linear_layers:
+    from lctx.sizing import linear_layers as ll  # pylint: disable=g-import-not-at-top
+
+    lin_dev, lin_host = remat_saved_bytes_per_token(
+      dims,
+      setup,
+      co["saved_tensor_scale"],
+      co["residual_scale"],
+      sizes=lambda name: ll.tensor_bytes_per_token(name, dims.linear, tp, a),
+    )
+    saved_dev += dims.linear_layers * lin_dev
+    saved_host += dims.linear_layers * lin_host
+    linear_buffers = ll.linear_buffer_bytes(dims.linear, setup, rows=b, tokens=tokens)
 
   # A remat group of k layers recomputes its forward from its one saved input:
   # the inner scan keeps the k layer inputs (the carries) while the group runs
@@ -482,7 +519,9 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   act = a / 2
   layer = act * tokens * co["layer_bytes_per_d"] * dims.d_model
   mlp = act * b * min(t, setup.mlp_chunk_size or t) * co["mlp_bytes_per_f"] * dims.mlp_dim / tp
-  attention = attention_buffer_bytes(dims, setup, rows=b, coefficients=co)
+  attention = 0.0
+  if dims.attention_layers:
+    attention = attention_buffer_bytes(dims, setup, rows=b, coefficients=co)
   # Offloaded layer inputs with per-layer remat (groups of 1): the compiles
   # keep more of the attention's buffers live at once (the schedule around the
   # host transfers: the ring's f32 accumulators appear in more slots of the
@@ -503,14 +542,15 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
     optimizer_state=0 if setup.offload_optimizer_state else int(2 * params * p),
     batch=int(BATCH_ARRAYS * tokens * INT32),
     gradients=int(params * p),
-    saved_activations=int(dims.num_layers * tokens * dev_tok),
+    saved_activations=int(tokens * saved_dev),
     gathered_weights=int(gathered),
     layer_backward=int(layer + group_extra),
     mlp_backward=int(mlp),
     attention_buffers=int(attention),
     loss=int(loss),
-    host=int(dims.num_layers * tokens * host_tok + state_host),
+    host=int(tokens * saved_host + state_host),
     embeddings=int(embeddings),
+    linear_buffers=int(linear_buffers),
   )
 
 

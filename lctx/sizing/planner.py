@@ -90,6 +90,8 @@ def model_dims(model) -> mm.ModelDims:
     mlp_dim=model.mlp_dim,
     layer_params=layer,
     embedding_params=embedding,
+    linear_layers=sum(t == "linear_attention" for t in getattr(model, "layer_types", ()) or ()),
+    linear=model if "linear_attention" in (getattr(model, "layer_types", ()) or ()) else None,
   )
 
 

@@ -22,6 +22,10 @@ hands them to the same `hardware.step_time`:
   ulysses moves q, k, v and out through all-to-alls, forward and backward; ring
   passes K/V round the ring (and dK/dV with them in the backward); usp both on
   its sub-axes. Recomputed attention repeats its forward collectives.
+- linear-attention layers (hybrids; lctx/sizing/linear_layers.py): the model's
+  figure counts their chunked delta rule; beyond it the kernel's two remat levels,
+  the context-parallel summary pass, the forward the layer's remat redoes, and
+  their state exchange and conv halos (forward passes once, backward twice).
 - host bytes: what an offloading setup keeps in pinned host memory crosses PCIe
   twice a step (out in the forward, back in the backward).
 
@@ -35,8 +39,10 @@ from typing import Any
 from lctx import hardware as hw
 from lctx.kernels import flop_tags
 from lctx.models import config as models_config
+from lctx.sizing import linear_layers
 from lctx.sizing import memory_model as mm
 
+_MLP_TAGS = ("mlp_gate", "mlp_up", "mlp_out")
 _PROJ_TAGS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_out")
 
 
@@ -79,18 +85,25 @@ def flops_per_device(model, dims: mm.ModelDims, setup: mm.Setup, devices: int) -
     "mlp_out": 2 * f * d,
   }
   kept = _kept(setup)
+  attn_layers = dims.attention_layers
+  lin = linear_layers.flops_per_token(model, setup, kept)
   recompute = 0.0
   if setup.remat_policy != "none":
-    recompute = dims.num_layers * sum(x for t, x in proj.items() if t not in kept)
+    recompute = attn_layers * sum(x for t, x in proj.items() if t not in kept)
+    recompute += lin["recompute"]
     if not attention_kept(setup):
       recompute += attn_fwd
     if setup.remat_group_size > 1:  # the group replays its layers' whole forward once more
-      recompute += dims.num_layers * sum(proj.values()) + attn_fwd
+      recompute += attn_layers * sum(proj.values()) + attn_fwd
+      if dims.linear_layers:  # and the linear layers' whole forward
+        mixer = models_config.linear_layer_flops(model, setup.seq_len)
+        recompute += dims.linear_layers * (mixer + sum(proj[t] for t in _MLP_TAGS))
   model_flops = per_token * tokens
-  total = model_flops + (extra + recompute) * tokens
+  total = model_flops + (extra + lin["extra"] + recompute) * tokens
   return {
     "model": model_flops,
     "attention_extra": extra * tokens,
+    "linear_extra": lin["extra"] * tokens,
     "recompute": recompute * tokens,
     "total": total,
   }
@@ -102,7 +115,7 @@ def collective_bytes_per_device(dims: mm.ModelDims, setup: mm.Setup) -> float:
   c, u = setup.axis("context"), setup.axis("context_ulysses")
   devices = max(1, setup.batch_ways * setup.context_degree * setup.axis("tensor"))
   tokens = setup.batch_size * setup.seq_len / devices  # per device
-  layers = dims.num_layers
+  layers = dims.attention_layers  # linear layers: their state exchange, below
   out = 0.0
   shards = setup.param_shards
   if shards > 1:
@@ -121,6 +134,9 @@ def collective_bytes_per_device(dims: mm.ModelDims, setup: mm.Setup) -> float:
     ring = c if setup.strategy == "usp" else setup.context_degree
     if ring > 1:
       out += layers * tokens * kv * (ring - 1) * (passes_fwd + 2)
+  if dims.linear_layers:
+    linear_fwd = 1 + (0 if setup.remat_policy == "none" else 1)
+    out += linear_layers.exchange_bytes(dims.linear, setup, linear_fwd)
   return out
 
 

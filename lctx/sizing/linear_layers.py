@@ -1,0 +1,179 @@
+"""What linear-attention layers (Gated DeltaNet, KDA) cost the planner: their
+saved tensors, their backward's buffers, their FLOPs and their state exchange.
+
+`--mode=plan` (lctx/sizing/memory_model.py, step_estimate.py) prices the layers of
+a hybrid by type: full / sliding attention layers by the attention arithmetic,
+linear layers by this module's. The counts are shapes (no fitted coefficient:
+the compile checks, tests/test_sizing_linear.py, say how far they are):
+
+- saved tensors per token (the remat tags a linear layer places,
+  lctx/models/linear_attention.py): query_proj / key_proj are q and k repeated to
+  the value heads, N K each; value_proj and attention_out N V; out_proj D; no
+  attention_lse; 'residuals' (kept by remat 'none' only): the projections before
+  the conv (2 Q K + N V), z (N V), the f32 L2-normed q and k, the norms' f32
+  input and the SwiGLU's, as for attention;
+- the layer's backward (`linear_buffer_bytes`): the delta rule's inputs and their
+  f32 cotangents per token, the two-level scan's kept chunk states (about
+  2 sqrt(T / C) of [N, K, V] f32, and as many [N, K, V] and [N, K, K] ones for
+  the context-parallel summary pass), the all-gathered summaries of every piece and
+  their cotangent (O(devices): lctx/parallel/linear_context.py);
+- FLOPs: the chunked delta rule's forward (models.config.linear_mixer_flops),
+  its backward (2 x), the two remat levels inside the kernel (+2 forwards), and
+  under context parallelism the summary pass (two final-state scans per piece,
+  `summary_flops_per_token`) with the same factors;
+- bytes: `state_exchange_bytes` per pass (forward, each recompute) and twice that
+  in the backward (the compiler turns the gather's transpose into an all-reduce).
+
+Shapes legend: T tokens per device, N value heads per tensor shard, Q q/k heads,
+K / V key / value head dims, C chunk, D d_model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lctx.models import config as models_config
+from lctx.parallel.linear_context import state_exchange_bytes
+
+F32 = 4
+
+
+def linear_layers(model) -> int:
+  return sum(t == "linear_attention" for t in getattr(model, "layer_types", ()) or ())
+
+
+def _scan_states(chunks: float) -> float:
+  """States the two-level scan keeps in its backward: groups + one group's chunks."""
+  if chunks <= 1:
+    return 1.0
+  return 2.0 * math.sqrt(chunks)
+
+
+def _final_state_flops(heads, key_dim, width, chunk) -> float:
+  """Forward FLOPs per token of the delta rule's final state alone (no output
+  reads) with `width` state columns: k k^T, the in-chunk solve and the two state
+  products (models.config.delta_rule_flops_per_token less q's terms)."""
+  c, k, w = chunk, key_dim, width
+  rounds = max(0, math.ceil(math.log2(c)) - 1) if c > 1 else 0
+  per_chunk = 2 * c * c * k + 2 * c * c * (w + k) + rounds * (2 * c**3 + 2 * c * c * (w + k))
+  per_chunk += 2 * 2 * c * k * w
+  return heads * per_chunk / c
+
+
+def summary_flops_per_token(model, chunk: int = models_config.LINEAR_CHUNK) -> float:
+  """Forward FLOPs per token of the context-parallel summary pass: the final state
+  over v from 0 (V columns) and of the v = 0 recurrence from I (K columns),
+  lctx/parallel/linear_context.py."""
+  n, k, v = model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim
+  return _final_state_flops(n, k, v, chunk) + _final_state_flops(n, k, k, chunk)
+
+
+def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:
+  """Bytes per token of one linear layer's tensor `name` (a remat tag or 'residuals')."""
+  d, q_heads = model.d_model, model.linear_num_key_heads
+  n = model.linear_num_value_heads / tp if model.linear_num_value_heads % tp == 0 else None
+  n = n or model.linear_num_value_heads
+  k, v, f = model.linear_key_head_dim, model.linear_value_head_dim, model.mlp_dim / tp
+  sizes = {
+    "layer_input": d * a,
+    "query_proj": n * k * a,
+    "key_proj": n * k * a,
+    "value_proj": n * v * a,
+    "attention_out": n * v * a,
+    "attention_lse": 0.0,
+    "out_proj": d * a,
+    "mlp_gate": f * a,
+    "mlp_up": f * a,
+    "mlp_hidden": f * a,
+    "mlp_out": d * a,
+    "residuals": 2 * d * (F32 + a)
+    + (2 * q_heads * k + n * v) * a
+    + n * v * a
+    + 2 * n * k * F32
+    + d * a
+    + f * a,
+  }
+  return sizes[name]
+
+
+def linear_buffer_bytes(model, setup, rows: int, tokens: int) -> float:
+  """Per-device bytes one linear layer holds while it runs backward."""
+  tp = setup.axis("tensor")
+  n = model.linear_num_value_heads
+  n = n / tp if n % tp == 0 else n
+  k, v = model.linear_key_head_dim, model.linear_value_head_dim
+  a = setup.dtype_bytes
+  ways = setup.context_degree
+  pieces = 2 if setup.strategy in ("ring", "usp") and setup.axis("context") > 1 else 1
+  per_token = n * (2 * k + v) * (a + F32) + 2 * n * (a + F32)  # q, k, v, g, beta + f32 grads
+  chunks = tokens / rows / pieces / models_config.LINEAR_CHUNK
+  states = rows * pieces * _scan_states(chunks) * n * k * v * F32
+  out = tokens * per_token + states
+  if ways > 1:
+    summary = n * k * (k + v) * F32
+    out += rows * pieces * _scan_states(chunks) * summary  # the summary pass's chunk states
+    out += 2 * rows * ways * pieces * summary  # gathered summaries and their cotangent
+    out += rows * ways * pieces * n * k * v * F32  # the composed incoming states
+  return out
+
+
+def flops_per_token(model, setup, kept: set[str]) -> dict[str, float]:
+  """{'extra', 'recompute'} forward-equivalent FLOPs per token of all linear
+  layers beyond the model's 3 x forward: the kernel's own remat levels and the
+  context-parallel summary pass (extra), the forward the layer's remat redoes
+  (recompute: projections whose tags are not kept, and the delta rule unless
+  attention_out is kept)."""
+  layers = linear_layers(model)
+  if not layers:
+    return {"extra": 0.0, "recompute": 0.0}
+  mixer = models_config.linear_mixer_flops(model)
+  extra = 2 * mixer  # the chunk body's and the group's rematerialised forwards
+  if setup.context_degree > 1:
+    extra += 5 * summary_flops_per_token(model)  # forward, two remat levels, backward
+  d, hq, hv = model.d_model, model.linear_num_key_heads, model.linear_num_value_heads
+  k, v = model.linear_key_head_dim, model.linear_value_head_dim
+  recompute = 0.0
+  if setup.remat_policy != "none":
+    proj = {"query_proj": 2 * d * hq * k, "key_proj": 2 * d * hq * k, "value_proj": 2 * d * hv * v}
+    proj["out_proj"] = 2 * hv * v * d
+    for name, flops in proj.items():
+      recompute += 0 if name in kept else flops
+    recompute += 2 * d * hv * v + 4 * d * hv  # z, a, b: untagged, always recomputed
+    for name in ("mlp_gate", "mlp_up", "mlp_out"):
+      recompute += 0 if name in kept else 2 * d * model.mlp_dim
+    if "attention_out" not in kept:
+      recompute += mixer
+      if setup.context_degree > 1:
+        recompute += summary_flops_per_token(model)
+  return {"extra": layers * extra, "recompute": layers * recompute}
+
+
+def exchange_bytes(model, setup, passes_fwd: int) -> float:
+  """ICI bytes one device sends per step for all linear layers' state exchange
+  and conv halos: each forward pass once, the backward twice."""
+  layers = linear_layers(model)
+  ways = setup.context_degree
+  if not layers or ways <= 1:
+    return 0.0
+  tp = setup.axis("tensor")
+  rows = max(1, setup.batch_size // setup.batch_ways)
+  n = model.linear_num_value_heads
+  n = n // tp if n % tp == 0 else n
+  lb = setup.strategy in ("ring", "usp") and setup.axis("context") > 1
+  k, v, hq = model.linear_key_head_dim, model.linear_value_head_dim, model.linear_num_key_heads
+  w = model.linear_conv_kernel_dim
+  per = state_exchange_bytes(
+    batch=rows, heads=n, key_dim=k, value_dim=v, ways=ways, load_balance=lb
+  )["total"]
+  for channels in (hq * k, hq * k, model.linear_num_value_heads * v):  # the three convs
+    per += state_exchange_bytes(
+      batch=rows,
+      heads=0,
+      key_dim=0,
+      value_dim=0,
+      ways=ways,
+      load_balance=lb,
+      conv_channels=channels,
+      conv_width=w,
+    )["halo_bytes"]
+  return layers * per * (passes_fwd + 2)

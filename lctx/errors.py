@@ -152,3 +152,12 @@ def _configurables() -> list[str]:
     return [c.name for _, c in gin.config._REGISTRY.items()]  # pylint: disable=protected-access
   except Exception:  # pylint: disable=broad-except
     return []
+
+
+class BadRowError(InputError):
+  """One bad row or file; `where` is 'file:line' or 'file'. An InputError (a
+  ValueError): main.py prints it as one line and exits with status 2."""
+
+  def __init__(self, where: str, what: str):
+    super().__init__(f"{where}: {what}", fix="")
+    self.where, self.what = where, what

@@ -11,7 +11,7 @@ import json
 import numpy as np
 
 from lctx.data.chat import ChatError, Conversation, check_messages, encode_conversation
-from lctx.data.files import BadRowError
+from lctx.errors import BadRowError
 
 # -- too-long conversations -------------------------------------------------------
 OVERFLOW = ("drop", "split_turns")

@@ -19,22 +19,13 @@ import zlib
 from collections.abc import Callable, Iterator
 
 from lctx.data import corpus
-from lctx.errors import InputError
+from lctx.errors import BadRowError  # noqa: F401  (re-exported)
 
 ROW_KINDS = ("jsonl", "parquet", "chat")
 _EXTENSIONS = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",)}
 _EXTENSIONS["chat"] = _EXTENSIONS["jsonl"] + _EXTENSIONS["parquet"]
 # A whole row (dict) -> the document's bytes, or BadRowError (kind 'chat').
 Extract = Callable[[object, str], bytes]
-
-
-class BadRowError(InputError):
-  """One bad row or file; `where` is 'file:line' or 'file'. An InputError (a
-  ValueError): main.py prints it as one line and exits with status 2."""
-
-  def __init__(self, where: str, what: str):
-    super().__init__(f"{where}: {what}", fix="")
-    self.where, self.what = where, what
 
 
 def list_files(kind: str, pattern: str) -> list[str]:

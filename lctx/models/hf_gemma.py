@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lctx.models.config import ModelConfig
-from lctx.models.hf_config import _refuse_if, _rope, architecture_of
+from lctx.models.hf_names import _refuse_if, _rope, architecture_of
 
 # transformers' Gemma3TextConfig defaults, for keys a config.json leaves out
 # (the published gemma-3-*-it configs rely on several of them).

@@ -24,10 +24,28 @@ W conv width, C MLA latent, R MLA rope dims.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from lctx.models.config import ModelConfig, has_linear_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """An lctx param that is a piece of a fused HF tensor (hybrid families: q/k/v/z
+  in one projection, q and the output gate in q_proj, one conv over q, k, v).
+
+  The HF tensor as stored has `hf_shape`; its 2-D form (transposed when the
+  Entry is: torch [out, in] -> [in, out]; a conv's [C, 1, W] -> [W, C]) reshaped
+  to `view` holds the lctx param at `view[..., lo:hi]` (then reshaped to its
+  own shape). The parts of one HF tensor tile its last view axis."""
+
+  hf_shape: tuple[int, ...]
+  view: tuple[int, ...]
+  lo: int
+  hi: int
+
 
 QWEN3_5, QWEN3_NEXT, KIMI = "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "KimiLinearForCausalLM"
 ARCHITECTURES = (QWEN3_5, QWEN3_NEXT, KIMI)
@@ -78,8 +96,6 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
 def layer_rules(c: ModelConfig, arch: str | None) -> dict[tuple[str, ...], tuple]:
   """lctx sub-path (inside a decoder layer) -> (HF name, transposed, split[, offset,
   Part]) for the hybrid families; {} for the others (hf_layout's rules)."""
-  from lctx.models.hf_layout import Part  # pylint: disable=g-import-not-at-top
-
   if arch not in ARCHITECTURES:
     return {}
   d, n = c.d_model, c.num_heads

@@ -20,7 +20,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from lctx.models import hf_hybrid
 from lctx.models.config import ModelConfig
+from lctx.models.hf_hybrid import Part  # noqa: F401  (re-exported: Entry.part)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -60,22 +62,6 @@ _TOP_RULES = {
   ("final_norm", "scale"): ("model.norm.weight", False, 1),
   ("unembed", "kernel"): ("lm_head.weight", True, 1),  # [D, E] <- [E, D]
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-  """An lctx param that is a piece of a fused HF tensor (hybrid families: q/k/v/z
-  in one projection, q and the output gate in q_proj, one conv over q, k, v).
-
-  The HF tensor as stored has `hf_shape`; its 2-D form (transposed when the
-  Entry is: torch [out, in] -> [in, out]; a conv's [C, 1, W] -> [W, C]) reshaped
-  to `view` holds the lctx param at `view[..., lo:hi]` (then reshaped to its
-  own shape). The parts of one HF tensor tile its last view axis."""
-
-  hf_shape: tuple[int, ...]
-  view: tuple[int, ...]
-  lo: int
-  hi: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +115,6 @@ def layout(
   text_prefix: where the decoder's tensors live ('model.' in a causal LM;
   'language_model.model.' or 'model.language_model.' in Gemma 3's multimodal
   checkpoints, whose text weights are all lctx reads)."""
-  from lctx.models import hf_hybrid  # pylint: disable=g-import-not-at-top
-
   arch = architecture or hf_hybrid.default_architecture(config)
   top_rules = {**_TOP_RULES, **hf_hybrid.top_rules(arch)}
   period = len(config.attention_pattern)

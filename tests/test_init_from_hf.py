@@ -186,7 +186,8 @@ def test_two_processes_load_exactly_what_one_host_does(hf_dir, tmp_path):
         "TrainConfig.checkpoint_every = 0",
         "TrainConfig.async_checkpoint = False",
         "TrainConfig.context_parallel_strategy = 'none'",
-        "TrainConfig.attention_backend = 'reference'",
+        "TrainConfig.attention_options = @AttentionOptions()",
+        "AttentionOptions.backend = 'reference'",
         f"TrainConfig.init_params_from = '{hf_dir}'",
       ]
     )

@@ -64,7 +64,7 @@ def test_local_run_prints_no_plugin_errors(tmp_path):
     (
       ["--gin_file=gin/local_cpu_typo.gin"],
       "gin file 'gin/local_cpu_typo.gin' not found",
-      "Did you mean gin/local_cpu.gin?",
+      "Did you mean gin/local_cpu",
     ),
     (
       ["--mode=compile", "--gin_file=gin/local_cpu.gin"],

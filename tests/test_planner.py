@@ -327,6 +327,7 @@ def test_record_adds_a_compile_json_and_refuses_one_that_does_not_fit(tmp_path, 
   fit = _fit_script()
   data = tmp_path / "full.json"
   data.write_text(open(fit.FULL_SIZE_FILE).read())
+  before = json.loads(data.read_text())
   monkeypatch.setattr(fit, "FULL_SIZE_FILE", str(data))
   # The figures it rewrites (the gin header line, README's table): copies.
   figures = tmp_path / "tree"
@@ -373,7 +374,7 @@ def test_record_adds_a_compile_json_and_refuses_one_that_does_not_fit(tmp_path, 
   }
   saved = json.loads(data.read_text())
   assert saved["gin/ring_v5p.gin"] == out
-  assert len(saved) == len(fit.full_size_records()) == 9
+  assert len(saved) == len(fit.full_size_records()) == len(before)  # replaced, not added
   header = (figures / "gin/ring_v5p.gin").read_text()
   assert [line for line in header.split("\n") if line.startswith("# Figures")] == [
     "# Figures (--mode=compile --compile_topology=v5p:2x2x1, 2026-12-03, jax 0.10.2, libtpu "

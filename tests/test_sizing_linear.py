@@ -10,6 +10,7 @@ from lctx import data as data_lib
 from lctx import hardware, models
 from lctx import train as train_lib
 from lctx.kernels.delta_rule import delta_rule
+from lctx.kernels.options import AttentionOptions
 from lctx.models.config import delta_rule_flops_per_token, linear_mixer_flops
 from lctx.parallel.linear_context import state_exchange_bytes
 from lctx.parallel.mesh import MeshConfig
@@ -74,8 +75,7 @@ def _exp(seq=SEQ, **model):
       seq_len=seq,
       context_parallel_strategy="ring",
       loss_chunk_size=512,
-      attention_block_q=512,
-      attention_block_kv=512,
+      attention_options=AttentionOptions(block_q=512, block_kv=512),
     ),
     mesh=MeshConfig(context=CONTEXT),
   )

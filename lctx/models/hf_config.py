@@ -38,6 +38,7 @@ from lctx.models.hf_names import (  # noqa: F401  (re-exported)
   _refuse_if,
   _rope,
   architecture_of,
+  decoder_fields,
   read_config_json,
 )
 
@@ -178,13 +179,7 @@ def config_to_hf(
   hf = {
     "architectures": [arch],
     "model_type": model_type,
-    "vocab_size": config.vocab_size,
-    "hidden_size": config.d_model,
-    "intermediate_size": config.mlp_dim,
-    "num_hidden_layers": config.num_layers,
-    "num_attention_heads": config.num_heads,
-    "num_key_value_heads": config.num_kv_heads,
-    "head_dim": config.head_dim,
+    **decoder_fields(config),
     "hidden_act": "silu",
     "rms_norm_eps": config.norm_eps,
     "max_position_embeddings": max_position_embeddings,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lctx.models.config import ModelConfig
-from lctx.models.hf_names import _refuse_if, _rope, architecture_of
+from lctx.models.hf_names import _refuse_if, _rope, architecture_of, decoder_fields
 
 # transformers' Gemma3TextConfig defaults, for keys a config.json leaves out
 # (the published gemma-3-*-it configs rely on several of them).
@@ -182,13 +182,7 @@ def gemma3_to_hf(config: ModelConfig, dtype: str, max_position_embeddings: int |
   return {
     "architectures": ["Gemma3ForCausalLM"],
     "model_type": "gemma3_text",
-    "vocab_size": config.vocab_size,
-    "hidden_size": config.d_model,
-    "intermediate_size": config.mlp_dim,
-    "num_hidden_layers": config.num_layers,
-    "num_attention_heads": config.num_heads,
-    "num_key_value_heads": config.num_kv_heads,
-    "head_dim": config.head_dim,
+    **decoder_fields(config),
     "hidden_activation": "gelu_pytorch_tanh",
     "rms_norm_eps": config.norm_eps,
     "max_position_embeddings": max_position_embeddings or 131_072,

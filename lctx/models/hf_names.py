@@ -110,3 +110,16 @@ def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any] | No
 def _refuse_if(cond: bool, where: str, arch: str, field: str, value: Any, why: str) -> None:
   if cond:
     raise ValueError(f"{where}: {arch} with {field}={value!r} is not supported: {why}")
+
+
+def decoder_fields(config) -> dict[str, Any]:
+  """The config.json sizes every exported family shares (a ModelConfig's)."""
+  return {
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.d_model,
+    "intermediate_size": config.mlp_dim,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+  }

@@ -148,7 +148,15 @@ def test_ruler_prompts_and_greedy_decoding_match_the_host_logits_path_under_ring
   _assert_same(tmp_path, program, host)
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "usp"])
+# usp (a ring over all-to-all groups) in the default suite; its two parts alone under -m slow.
+@pytest.mark.parametrize(
+  "strategy",
+  [
+    pytest.param("all_gather", marks=pytest.mark.slow),
+    pytest.param("ulysses", marks=pytest.mark.slow),
+    "usp",
+  ],
+)
 def test_other_strategies_match_the_host_logits_path(strategy, tmp_path):
   config = EvalConfig(
     tasks=("passkey",),

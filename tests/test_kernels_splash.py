@@ -522,6 +522,7 @@ def _no_blockwise(monkeypatch):
     monkeypatch.setattr(flash, name, no_blockwise)
 
 
+@pytest.mark.slow  # the default suite compiles ring_v5p.gin on a small slice (test_compile.py)
 def test_ring_flagship_compiles_with_splash_for_tpu(monkeypatch):
   hlo = _compiled_train_step("gin/ring_v5p.gin", monkeypatch)
   assert compile_lib.attention_backend_of(hlo) == "splash"

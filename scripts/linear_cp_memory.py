@@ -6,10 +6,16 @@ shards at a fixed per-device length. Prints a table and writes JSON.
   python scripts/linear_cp_memory.py --topology=v5p:4x4x4 --tokens=1048576
   flock /work/wt/bigjob.lock nice -n 10 python scripts/linear_cp_memory.py \
       --topology=v5p:4x4x4 --tokens=16777216        # a few GiB of host memory
+  ... --topology=v5p:4x4x4 --tokens=16777216 --layer   # the whole GDN layer
 
 With --topology: one GDN-shaped layer (32 heads, head dims 128, bf16 inputs, zigzag)
 compiled for that TPU slice (compile only, context = every device): the TPU
-compiler's memory figures and the collective bytes one device sends.
+compiler's memory figures and the collective bytes one device sends. The
+context-parallel delta rule alone, or with --layer the whole `GatedDeltaNet` at
+gin/models/qwen3_5_9b.gin's shape (bf16 x `[1, T, 4096]`, projections, convs,
+L2 norms, gated norm, output projection; gradients of x and every weight; no
+remat inside the layer): what one linear layer of the hybrid holds per token in
+its backward.
 """
 
 import json
@@ -112,12 +118,73 @@ def compile_tpu(topology: str, tokens: int) -> dict:
   }
 
 
+def compile_layer(topology: str, tokens: int) -> dict:
+  """The whole GDN layer (Qwen3.5-9B shape) under context parallelism, fwd + bwd."""
+  import flax.linen as nn
+
+  from lctx.models.config import ModelConfig
+  from lctx.models.linear_attention import GatedDeltaNet
+  from lctx.parallel.mesh import LOGICAL_RULES, MeshConfig, make_mesh
+  from lctx.parallel.mixer import SequenceMixer
+  from lctx.sizing.devices import compile_only_env
+  from lctx.sizing.tpu import topology_devices
+
+  compile_only_env()
+  devices = topology_devices(topology)
+  mesh = make_mesh(MeshConfig(context=-1), devices)
+  c = ModelConfig(
+    d_model=4096,
+    num_layers=4,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=256,
+    mlp_dim=12288,
+    vocab_size=1024,
+    layer_types=("linear_attention",) * 3 + ("full_attention",),
+    linear_attention="gated_deltanet",
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    norm_eps=1e-6,
+    dtype="bfloat16",
+    param_dtype="float32",
+  )
+  mixer = SequenceMixer(attention=None, linear=make_linear_fns(mesh, load_balance=True))
+  layer = GatedDeltaNet(c, mixer)
+  x = jax.ShapeDtypeStruct((1, tokens, c.d_model), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
+    params = jax.eval_shape(lambda x, s: layer.init(jax.random.key(0), x, s, None), x, seg)
+
+    def loss(p, x, s):
+      return jnp.sum(layer.apply(p, x, s, None).astype(jnp.float32))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    t0 = time.perf_counter()
+    compiled = step.lower(params, x, seg).compile()
+  seconds = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  return {
+    "topology": topology,
+    "what": "GatedDeltaNet layer (Qwen3.5-9B shape), fwd + bwd",
+    "tokens": tokens,
+    "tokens_per_device": tokens // len(devices),
+    "temp_bytes": int(mem.temp_size_in_bytes),
+    "argument_bytes": int(mem.argument_size_in_bytes),
+    "output_bytes": int(mem.output_size_in_bytes),
+    "compile_seconds": round(seconds, 1),
+    "jax_version": jax.__version__,
+  }
+
+
 def main():
   out = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--out=")), None)
   topo = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--topology=")), None)
   if topo:
     tokens = int(next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--tokens=")))
-    rec = compile_tpu(topo, tokens)
+    rec = (compile_layer if "--layer" in sys.argv[1:] else compile_tpu)(topo, tokens)
     print(json.dumps(rec, indent=1))
     if out:
       with open(out, "w") as f:

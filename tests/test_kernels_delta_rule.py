@@ -260,3 +260,59 @@ def test_two_level_scan_keeps_fewer_states(monkeypatch):
   one_level = temp()
   per_chunk_states = (t // c) * n * h * h * 4
   assert one_level - two_level > 0.75 * per_chunk_states, (one_level, two_level)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_grouped_key_heads_match_repeated_reference(per_channel):
+  """q, k with Q = 2 heads for N = 4 value heads (value head j reads j // 2): values
+  and gradients equal the float64 reference run on explicitly repeated q, k, whose
+  q / k gradients are summed over each group."""
+  t, q_heads, n, groups = 37, 2, 4, 2
+  q, k, _, _, _, _ = _inputs(t, per_channel, seed=5, heads=q_heads)
+  _, _, v, g, beta, s0 = _inputs(t, per_channel, seed=6, heads=n)
+  seg = _packed(t)
+  wo = np.random.default_rng(7).normal(size=(B, t, n, V))
+  rep = lambda x: jnp.repeat(x, groups, axis=2)  # noqa: E731
+
+  def loss(fn, repeat):
+    def f(q, k, v, g, beta):
+      q, k = (rep(q), rep(k)) if repeat else (q, k)
+      o, s = fn(q, k, v, g, beta, segment_ids=jnp.asarray(seg), initial_state=s0_, chunk_size=8)
+      return jnp.sum(o * wo_) + jnp.sum(s)
+
+    return f
+
+  with jax.enable_x64(True):
+    s0_, wo_ = jnp.asarray(s0), jnp.asarray(wo)
+    a64 = [jnp.asarray(x) for x in (q, k, v, g, beta)]
+    ro, _ = delta_rule_reference(
+      rep(a64[0]), rep(a64[1]), *a64[2:], segment_ids=jnp.asarray(seg), initial_state=s0_
+    )
+    rgrads = jax.grad(loss(delta_rule_reference, True), (0, 1, 2, 3, 4))(*a64)
+    ro, rgrads = np.asarray(ro), [np.asarray(x) for x in rgrads]
+  s0_, wo_ = jnp.asarray(s0, jnp.float32), jnp.asarray(wo, jnp.float32)
+  a32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
+  o, _ = delta_rule(*a32, segment_ids=jnp.asarray(seg), initial_state=s0_, chunk_size=8)
+  assert o.shape == (B, t, n, V) and _rel(o, ro) < 1e-4
+  grads = jax.jit(jax.grad(loss(delta_rule, False), (0, 1, 2, 3, 4)))(*a32)
+  for name, got, want in zip(["q", "k", "v", "g", "beta"], grads, rgrads):
+    assert got.shape == want.shape and _rel(got, want) < 1e-4, name
+
+
+def test_bf16_inputs_give_bf16_output_and_cotangents():
+  """bf16 q, k, v: the output and the q / k / v cotangents stay bf16 (float32 only
+  inside a chunk), within bf16 rounding of the float32 run."""
+  t = 37
+  q, k, v, g, beta, _ = _inputs(t, False, seed=11)
+  f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
+  bf = [x.astype(jnp.bfloat16) for x in f32[:3]] + f32[3:]
+  o32, _ = delta_rule(*f32, chunk_size=8)
+  o16, _ = delta_rule(*bf, chunk_size=8)
+  assert o16.dtype == jnp.bfloat16 and _rel(o16, o32) < 3e-2
+  grads = jax.grad(
+    lambda *a: jnp.sum(delta_rule(*a, chunk_size=8)[0].astype(jnp.float32)), (0, 1, 2)
+  )(*bf)
+  assert all(x.dtype == jnp.bfloat16 for x in grads)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(delta_rule(*a, chunk_size=8)[0]), 2))(*bf))
+  # The scan's stacked per-token outputs are bf16 [chunks, B, C, N, V], never f32.
+  assert "f32[5,2,8,3,6]" not in jaxpr and "bf16[5,2,8,3,6]" in jaxpr

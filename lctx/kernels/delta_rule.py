@@ -5,8 +5,10 @@ Per head, with state S `[H, V]` (key dim x value dim) and D_t the decay:
 D_t = exp(g_t) (g `[B, T, N]`: GDN, one log decay per head and token) or
 diag(exp(g_t)) (g `[B, T, N, H]`: KDA, one per key channel). This is transformers'
 `torch_chunk_gated_delta_rule` / `chunk_kimi_delta_attention` math, less their
-L2 norm and q scaling (the caller does both) and their key-head repeat (q, k and
-v come with the same head count N).
+L2 norm and q scaling (the caller does both). q and k may have fewer heads Q than
+v, g and beta (N, a multiple of Q): value head j reads q/k head j // (N / Q)
+(transformers' repeat_interleave), repeated here one chunk at a time, so no
+`[T, N, H]` copy of q or k is ever formed.
 
 Packing: segment_ids `[B, T]` (0 = padding). The state is reset to zero before
 every token whose segment id differs from the previous token's (a reset), so a
@@ -19,14 +21,16 @@ transform turns the C rank-one updates into one unit-lower-triangular solve,
 with Gamma_t the decay from the chunk start to t, and a `lax.scan` carries the state
 across chunks. All decay exponents are differences G_i - G_j with j <= i (never
 positive), resets enter as masks (tokens i, j interact iff no reset lies in (j, i]),
-and the state and gate products are float32. The scan body is rematerialised
+and the state and gate products are float32 inside a chunk; what crosses chunks
+per token (the inputs, the stacked output and their cotangents) keeps the inputs'
+dtype (v's for the output). The scan body is rematerialised
 (`jax.checkpoint`), and the scan runs in two levels (groups of about sqrt(T/C)
 chunks, each group rematerialised: `scan_group`), so the backward pass keeps
 about 2 sqrt(T/C) states rather than T/C, for one more forward of the scan:
 work is linear in T, memory linear in T for the inputs and their cotangents.
 
-Shapes (docs/contracts.md legend): B batch, T length, N heads, H key dim, V value
-dim, C chunk tokens.
+Shapes (docs/contracts.md legend): B batch, T length, Q q/k heads, N value heads
+(N % Q == 0), H key dim, V value dim, C chunk tokens.
 """
 
 from __future__ import annotations
@@ -43,13 +47,17 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 def _check(q, k, v, g, beta, segment_ids, initial_state):
-  b, t, n, h = q.shape
+  b, t, nq, h = q.shape
   if k.shape != q.shape:
     raise ValueError(f"delta_rule: k {k.shape} must have q's shape {q.shape}")
-  if v.ndim != 4 or v.shape[:3] != (b, t, n):
-    raise ValueError(f"delta_rule: v {v.shape} must be [B, T, N, V] with B, T, N = {b, t, n}")
+  if v.ndim != 4 or v.shape[:2] != (b, t) or v.shape[2] % nq:
+    raise ValueError(
+      f"delta_rule: v {v.shape} must be [B, T, N, V] with B, T = {b, t} and N a multiple "
+      f"of q's {nq} heads"
+    )
+  n = v.shape[2]
   if g.shape not in ((b, t, n), (b, t, n, h)):
-    raise ValueError(f"delta_rule: g {g.shape} must be [B, T, N] or [B, T, N, H] = {q.shape}")
+    raise ValueError(f"delta_rule: g {g.shape} must be [B, T, N] or [B, T, N, H] = {(b, t, n, h)}")
   if beta.shape != (b, t, n):
     raise ValueError(f"delta_rule: beta {beta.shape} must be [B, T, N] = {(b, t, n)}")
   if segment_ids is not None and segment_ids.shape != (b, t):
@@ -103,12 +111,14 @@ def _unit_lower_solve(lower, rhs):
 def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
   """One chunk: state `[B, N, H, V]` in, (state out, o `[B, C, N, V]` or None).
 
-  xs: q, k `[B, C, N, H]`, v `[B, C, N, V]`, g `[B, C, N]` or `[B, C, N, H]`,
-  beta `[B, C, N]`, reset `[B, C]` bool.
+  xs: q, k `[B, C, Q, H]`, v `[B, C, N, V]`, g `[B, C, N]` or `[B, C, N, H]`,
+  beta `[B, C, N]`, reset `[B, C]` bool. o comes out in v's dtype.
   """
   q, k, v, g, beta, reset = xs
-  f32 = jnp.float32
+  f32, out_dtype = jnp.float32, v.dtype
   q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+  if q.shape[2] != v.shape[2]:  # value head j reads q/k head j // G
+    q, k = (jnp.repeat(x, v.shape[2] // q.shape[2], axis=2) for x in (q, k))
   c = q.shape[1]
   # run[b, i]: resets seen in the chunk up to token i; i and j interact iff equal.
   run = jnp.cumsum(reset.astype(jnp.int32), axis=1)  # [B, C]
@@ -160,11 +170,12 @@ def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
   q_in = jnp.where(first, q * gam, 0.0)
   o = jnp.einsum("bcnh,bnhv->bcnv", q_in, state, precision=_HI)
   o = o + jnp.einsum("bnij,bnjv->binv", pair(incl, q, k), u, precision=_HI)
-  return new_state, o
+  return new_state, o.astype(out_dtype)
 
 
 def _scan(q, k, v, g, beta, segment_ids, initial_state, chunk_size, want_out):
-  b, t, n, h = q.shape
+  b, t, _, h = q.shape
+  n = v.shape[2]
   c = int(chunk_size)
   if c < 1:
     raise ValueError(f"delta_rule: chunk_size must be >= 1; got {chunk_size}")
@@ -213,7 +224,8 @@ def delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_
   """The chunked gated delta rule.
 
   Args:
-    q, k: `[B, T, N, H]` (already L2-normalised; q already scaled: no scaling here).
+    q, k: `[B, T, Q, H]` (already L2-normalised; q already scaled: no scaling here);
+      Q divides N (value head j reads q/k head j // (N / Q)).
     v: `[B, T, N, V]`.
     g: `[B, T, N]` (GDN) or `[B, T, N, H]` (KDA): log decays, <= 0.
     beta: `[B, T, N]`.
@@ -226,8 +238,8 @@ def delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_
   _check(q, k, v, g, beta, segment_ids, initial_state)
   o, final = _scan(q, k, v, g, beta, segment_ids, initial_state, chunk_size, True)
   if segment_ids is not None:
-    o = jnp.where((jnp.asarray(segment_ids) != 0)[:, :, None, None], o, 0.0)
-  return o.astype(v.dtype), final
+    o = jnp.where((jnp.asarray(segment_ids) != 0)[:, :, None, None], o, jnp.zeros((), o.dtype))
+  return o, final
 
 
 def delta_rule_final_state(
@@ -243,8 +255,10 @@ def delta_rule_transition(k, g, beta, *, segment_ids=None, chunk_size=64):
 
   A is 0 when a reset lies inside the row. Computed chunk by chunk, as the final
   state of the same recurrence run with v = 0 from S0 = I (no `[T, H, H]` buffer).
+  k `[B, T, Q, H]`; N (beta's heads) a multiple of Q.
   """
-  b, t, n, h = k.shape
+  b, t, _, h = k.shape
+  n = beta.shape[2]
   eye = jnp.broadcast_to(jnp.eye(h, dtype=jnp.float32), (b, n, h, h))
   zeros = jnp.zeros((b, t, n, h), k.dtype)
   return delta_rule_final_state(
@@ -258,7 +272,10 @@ def delta_rule_reference(q, k, v, g, beta, *, segment_ids=None, initial_state=No
   under `jax.enable_x64` with float64 inputs); o in v.dtype, final state likewise."""
   del chunk_size
   _check(q, k, v, g, beta, segment_ids, initial_state)
-  b, t, n, h = q.shape
+  b, t, nq, h = q.shape
+  n = v.shape[2]
+  if n != nq:  # value head j reads q/k head j // G
+    q, k = (jnp.repeat(x, n // nq, axis=2) for x in (q, k))
   dt = jnp.result_type(q, k, v, g, beta, jnp.float32)
   reset = resets(segment_ids, t, b)
   state = (

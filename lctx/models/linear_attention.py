@@ -19,7 +19,11 @@ single-device kernels. Both restart at every packed-document boundary
 (segment ids) and give 0 at padding.
 
 Remat tags (ModelConfig.REMAT_TAGS): query_proj / key_proj / value_proj on what
-the delta rule consumes, attention_out on its output, out_proj on the layer's.
+the delta rule consumes (q and k with their Q heads), attention_out on its
+output, out_proj on the layer's. Every per-token tensor over the whole sequence
+is in the compute dtype (ModelConfig.dtype); float32 lives inside the delta
+rule's chunks, the norms' elementwise passes and the small per-token gates
+(g, beta).
 
 Shapes legend (docs/contracts.md): B batch, T length, D d_model, Q q/k heads
 (linear_num_key_heads), N value heads (linear_num_value_heads), G = N // Q,
@@ -65,17 +69,23 @@ def linear_ops(mixer):
   return _LocalLinearOps if ops is None else ops
 
 
-def l2_normalise(x):
-  """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (transformers' l2norm)."""
-  x = x.astype(jnp.float32)
-  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+def l2_normalise(x, factor=1.0, dtype=None):
+  """factor * x / sqrt(sum(x^2) + eps) over the last axis (transformers' l2norm),
+  computed in float32 and returned in `dtype` (default x.dtype): one elementwise
+  pass, so no float32 copy of x is stored."""
+  x32 = x.astype(jnp.float32)
+  inv = jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + _L2_EPS) * factor
+  return (x32 * inv).astype(dtype or x.dtype)
 
 
-def gated_rms_norm(o, gate, scale, eps, activation):
-  """RMSNorm of o `[..., V]` over V (float32) times scale `[V]`, times act(gate)."""
-  o = o.astype(jnp.float32)
-  o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
-  return o * scale.astype(jnp.float32) * activation(gate.astype(jnp.float32))
+def gated_rms_norm(o, gate, scale, eps, activation, dtype=None):
+  """RMSNorm of o `[..., V]` over V (float32) times scale `[V]`, times act(gate),
+  returned in `dtype` (default o.dtype); the float32 math stays inside one
+  elementwise pass (no stored float32 copy of o)."""
+  o32 = o.astype(jnp.float32)
+  inv = jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+  out = o32 * inv * scale.astype(jnp.float32) * activation(gate.astype(jnp.float32))
+  return out.astype(dtype or o.dtype)
 
 
 def _conv(ops, x, weight, segment_ids):
@@ -87,15 +97,13 @@ def _conv(ops, x, weight, segment_ids):
 
 
 def _delta_rule(mixer, c, q, k, v, g, beta, segment_ids):
-  """q, k `[B, T, Q, K]` conv outputs -> o `[B, T, N, V]` (q/k L2-normed, q scaled,
-  q/k heads repeated to the value heads)."""
-  groups = c.linear_num_value_heads // c.linear_num_key_heads
-  q = l2_normalise(q) * c.linear_key_head_dim**-0.5
-  k = l2_normalise(k)
-  if groups > 1:  # value head j reads q/k head j // G (transformers' repeat_interleave)
-    q, k = jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2)
-  q, k = (constrain(t.astype(c.dtype), _QK_NAMES) for t in (q, k))
-  v = constrain(v, _QK_NAMES)
+  """q, k `[B, T, Q, K]` conv outputs -> o `[B, T, N, V]` in the compute dtype (q/k
+  L2-normed, q scaled). q and k keep their Q heads: the delta rule repeats them to
+  the value heads one chunk at a time (value head j reads q/k head j // G)."""
+  q = l2_normalise(q, c.linear_key_head_dim**-0.5, c.dtype)
+  k = l2_normalise(k, 1.0, c.dtype)
+  q, k = (constrain(t, _QK_NAMES) for t in (q, k))
+  v = constrain(v.astype(c.dtype), _QK_NAMES)
   q, k, v = (
     checkpoint_name(q, "query_proj"),
     checkpoint_name(k, "key_proj"),
@@ -148,7 +156,7 @@ class GatedDeltaNet(nn.Module):
     g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
     o = _delta_rule(self.mixer, c, q, k, v, g, beta, segment_ids)  # [B, T, N, V]
     z = proj(wz, "BTD,DNV->BTNV")
-    o = gated_rms_norm(o, z, scale, c.norm_eps, jax.nn.silu).astype(cd)
+    o = gated_rms_norm(o, z, scale, c.norm_eps, jax.nn.silu, cd)
     out = jnp.einsum("BTNV,NVD->BTD", o, wo.astype(cd))
     return checkpoint_name(constrain(out, _OUT_NAMES), "out_proj")
 
@@ -197,7 +205,7 @@ class KimiDeltaAttention(nn.Module):
     g = -jnp.exp(a_log.astype(jnp.float32))[:, None] * jax.nn.softplus(f)  # [B, T, N, K]
     o = _delta_rule(self.mixer, c, q, k, v, g, beta, segment_ids)  # [B, T, N, V]
     gate = jnp.einsum("BTK,KNV->BTNV", proj(wg_a, "BTD,DK->BTK"), wg_b.astype(cd))
-    o = gated_rms_norm(o, gate, scale, c.norm_eps, jax.nn.sigmoid).astype(cd)
+    o = gated_rms_norm(o, gate, scale, c.norm_eps, jax.nn.sigmoid, cd)
     out = jnp.einsum("BTNV,NVD->BTD", o, wo.astype(cd))
     return checkpoint_name(constrain(out, _OUT_NAMES), "out_proj")
 

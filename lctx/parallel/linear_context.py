@@ -32,12 +32,13 @@ How (each device, inside one shard_map over the whole mesh):
   (Hillis-Steele) would hold O(1) summaries but take log2(devices) dependent
   rounds. `state_exchange_bytes` counts what each device sends.
 
-Heads: q, k, v, g, beta are sharded over `tensor` when their head count N (the
-caller has already repeated key heads to the value heads) divides it, else
-replicated (every tensor device computes every head). Conv channels likewise:
-sharded over tensor when C divides it.
+Heads: q, k (Q heads) and v, g, beta (N heads, a multiple of Q: value head j
+reads q/k head j // (N / Q), repeated inside the kernel one chunk at a time) are
+sharded over `tensor` when both Q and N divide by it (a device's value heads
+then read exactly its q/k heads), else replicated (every tensor device computes
+every head). Conv channels likewise: sharded over tensor when C divides it.
 
-Shapes (docs/contracts.md legend): q, k `[B, T, N, H]`, v `[B, T, N, V]`, g
+Shapes (docs/contracts.md legend): q, k `[B, T, Q, H]`, v `[B, T, N, V]`, g
 `[B, T, N]` or `[B, T, N, H]`, beta `[B, T, N]`, segment_ids `[B, T]`; conv x
 `[B, T, C]`, weight `[W, C]`, bias `[C]`.
 """
@@ -71,7 +72,7 @@ class LinearFns:
   """The linear-attention ops on global, sequence-sharded arrays.
 
   short_conv(x, weight, bias, *, segment_ids, activation='silu') -> `[B, T, C]`
-  delta_rule(q, k, v, g, beta, *, segment_ids) -> o `[B, T, N, V]`
+  delta_rule(q, k, v, g, beta, *, segment_ids) -> o `[B, T, N, V]` (q, k `[B, T, Q, H]`)
   """
 
   short_conv: Callable
@@ -146,8 +147,8 @@ def _delta_local(q, k, v, g, beta, seg, *, seq_axes, table, chunk_size):
   n_p = table.shape[1]
   lp = q.shape[1] // n_p
   cut = lambda x, h: x[:, h * lp : (h + 1) * lp]  # noqa: E731
-  b, _, n, h_dim = q.shape
-  v_dim = v.shape[3]
+  b, _, _, h_dim = q.shape
+  n, v_dim = v.shape[2], v.shape[3]
   # A piece's map final(S0) = A S0 + C, stored as [C | A]: C is the final state
   # from 0, A the final state of the v = 0 recurrence from I. Two scans rather
   # than one over [v | 0] from [0 | I]: the widened v and its cotangent would be
@@ -202,7 +203,8 @@ def _delta_local(q, k, v, g, beta, seg, *, seq_axes, table, chunk_size):
 
 
 def _delta_rule(q, k, v, g, beta, *, segment_ids, mesh, table, chunk_size):
-  b, t, n, _ = q.shape
+  b, t, nq, _ = q.shape
+  n = v.shape[2]
   _check_layout(mesh, b, t, table, "delta_rule")
   seg = (
     jnp.ones((b, t), jnp.int32)
@@ -211,7 +213,7 @@ def _delta_rule(q, k, v, g, beta, *, segment_ids, mesh, table, chunk_size):
   )
   batch, seq = _present(mesh, BATCH_AXES), _present(mesh, SEQ_AXES)
   tp = mesh_shape(mesh).get(HEAD_AXIS, 1)
-  head = HEAD_AXIS if tp > 1 and n % tp == 0 else None
+  head = HEAD_AXIS if tp > 1 and n % tp == 0 and nq % tp == 0 else None
   x4 = P(batch, seq, head, None)
   specs = (
     x4,

@@ -7,13 +7,14 @@ linear layers by this module's. The counts are shapes (no fitted coefficient:
 the compile checks, tests/test_sizing_linear.py, say how far they are):
 
 - saved tensors per token (the remat tags a linear layer places,
-  lctx/models/linear_attention.py): query_proj / key_proj are q and k repeated to
-  the value heads, N K each; value_proj and attention_out N V; out_proj D; no
-  attention_lse; 'residuals' (kept by remat 'none' only): the projections before
-  the conv (2 Q K + N V), z (N V), the f32 L2-normed q and k, the norms' f32
-  input and the SwiGLU's, as for attention;
+  lctx/models/linear_attention.py): query_proj / key_proj are the L2-normed q and
+  k with their own Q heads (the delta rule repeats them per chunk), Q K each;
+  value_proj and attention_out N V; out_proj D; no attention_lse; 'residuals'
+  (kept by remat 'none' only): the projections before the conv (2 Q K + N V), z
+  (N V), the conv outputs of q and k (the L2 norm's input), the norms' f32 input
+  and the SwiGLU's, as for attention;
 - the layer's backward (`linear_buffer_bytes`): the delta rule's inputs and their
-  f32 cotangents per token, the two-level scan's kept chunk states (about
+  cotangents per token in the compute dtype, g and beta and theirs in f32, the two-level scan's kept chunk states (about
   2 sqrt(T / C) of [N, K, V] f32, and as many [N, K, V] and [N, K, K] ones for
   the context-parallel summary pass), the all-gathered summaries of every piece and
   their cotangent (O(devices): lctx/parallel/linear_context.py);
@@ -73,11 +74,12 @@ def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:
   d, q_heads = model.d_model, model.linear_num_key_heads
   n = model.linear_num_value_heads / tp if model.linear_num_value_heads % tp == 0 else None
   n = n or model.linear_num_value_heads
+  qh = q_heads / tp if q_heads % tp == 0 else q_heads
   k, v, f = model.linear_key_head_dim, model.linear_value_head_dim, model.mlp_dim / tp
   sizes = {
     "layer_input": d * a,
-    "query_proj": n * k * a,
-    "key_proj": n * k * a,
+    "query_proj": qh * k * a,
+    "key_proj": qh * k * a,
     "value_proj": n * v * a,
     "attention_out": n * v * a,
     "attention_lse": 0.0,
@@ -89,7 +91,7 @@ def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:
     "residuals": 2 * d * (F32 + a)
     + (2 * q_heads * k + n * v) * a
     + n * v * a
-    + 2 * n * k * F32
+    + 2 * qh * k * a
     + d * a
     + f * a,
   }
@@ -99,13 +101,14 @@ def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:
 def linear_buffer_bytes(model, setup, rows: int, tokens: int) -> float:
   """Per-device bytes one linear layer holds while it runs backward."""
   tp = setup.axis("tensor")
-  n = model.linear_num_value_heads
-  n = n / tp if n % tp == 0 else n
+  n, qh = model.linear_num_value_heads, model.linear_num_key_heads
+  n, qh = (n / tp, qh / tp) if n % tp == 0 and qh % tp == 0 else (n, qh)
   k, v = model.linear_key_head_dim, model.linear_value_head_dim
   a = setup.dtype_bytes
   ways = setup.context_degree
   pieces = 2 if setup.strategy in ("ring", "usp") and setup.axis("context") > 1 else 1
-  per_token = n * (2 * k + v) * (a + F32) + 2 * n * (a + F32)  # q, k, v, g, beta + f32 grads
+  # q, k (Q heads), v and their cotangents in the compute dtype; g, beta in f32.
+  per_token = (2 * qh * k + n * v) * 2 * a + 2 * n * 2 * F32
   chunks = tokens / rows / pieces / models_config.LINEAR_CHUNK
   states = rows * pieces * _scan_states(chunks) * n * k * v * F32
   out = tokens * per_token + states

@@ -902,6 +902,28 @@ def test_attention_recompute_follows_the_kept_residuals():
     assert got == pytest.approx(recompute(policy) + whole, rel=1e-6), policy
 
 
+def test_upipe_stages_replay_the_attention_forward_unless_the_residuals_are_kept():
+  """UPipe's head stages (ContextOptions.head_chunks > 1) are checkpoints: their
+  backward runs the attention forward once more, under 'none' and 'full', but
+  not when the layer's policy keeps the attention output and lse (compiled:
+  tests/test_remat.py::test_upipe_stages_replay_attention_unless_kept)."""
+  from lctx.sizing import step_estimate  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(LLAMA_8B, seq_len=1 << 20)
+  dims, m = planner.model_dims(exp.model), exp.model
+  attn = m.flops_per_token(1 << 20, training=False) - m.flops_per_token(1, training=False)
+  tokens = (1 << 20) / 64
+
+  def recompute(policy, chunks):
+    setup = planner.make_setup(exp, strategy="ulysses", mesh={"context": 64}, remat_policy=policy)
+    setup = dataclasses.replace(setup, head_chunks=chunks)
+    return step_estimate.flops_per_device(m, dims, setup, 64)["recompute"] / tokens
+
+  for policy in ("none", "full", "offload_layer_inputs"):
+    assert recompute(policy, 4) - recompute(policy, None) == pytest.approx(attn), policy
+  assert recompute("save_attention_out", 4) == pytest.approx(recompute("save_attention_out", None))
+
+
 def test_fastest_walks_the_offload_order():
   """The search tries the seed's offload order after the remat presets: the
   attention output offloaded, then the optimizer state, the layer inputs, the

@@ -394,3 +394,44 @@ def test_kept_attention_outputs_are_not_recomputed(strategy, kept):
   fwd = flops["full"] - flops["none"]  # the attention forward 'full' runs again
   assert fwd > 0.2 * flops["none"], flops
   assert flops[kept] == pytest.approx(flops["none"], rel=1e-9), flops
+
+
+@pytest.mark.slow
+def test_upipe_stages_replay_attention_unless_kept():
+  """UPipe's head stages (ContextOptions.head_chunks) are checkpoints of their
+  own: with remat 'none' the compiled step runs the attention forward once more
+  than plain ulysses, 'full' once more again, and 'save_attention_out' (the kept
+  output and lse) neither. Ulysses on a v5p slice, context 4, splash."""
+  import jax
+
+  from lctx.parallel import mesh as mesh_lib
+  from lctx.parallel.options import ContextOptions
+  from lctx.sizing import hlo_flops
+  from lctx.sizing import tpu as tpu_lib
+  from lctx.trainer import TrainConfig, Trainer
+
+  try:
+    devices = tpu_lib.topology_devices("v5p:2x2x1")
+  except RuntimeError as err:  # libtpu missing
+    pytest.skip(str(err))
+  small = dataclasses.replace(
+    TPU, num_layers=2, d_model=256, num_heads=8, num_kv_heads=4, head_dim=128
+  )
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=1, context=4), devices=devices)
+  flops = {}
+  for chunks, policy in ((None, "none"), (2, "none"), (2, "full"), (2, "save_attention_out")):
+    train = TrainConfig(
+      batch_size=1,
+      seq_len=4096,
+      context_parallel_strategy="ulysses",
+      context_options=ContextOptions(head_chunks=chunks),
+    )
+    trainer = Trainer(dataclasses.replace(small, remat_policy=policy), train, mesh)
+    with jax.default_matmul_precision("default"):
+      hlo = trainer.lower_train_step().compile().as_text()
+    flops[chunks, policy] = hlo_flops.matmul_flops(hlo)["attention_flops"]
+  plain = flops[None, "none"]
+  fwd = flops[2, "none"] - plain  # the forward each stage's checkpoint replays
+  assert fwd > 0.2 * plain, flops
+  assert flops[2, "full"] - flops[2, "none"] == pytest.approx(fwd, rel=1e-9), flops
+  assert flops[2, "save_attention_out"] == pytest.approx(plain, rel=1e-9), flops

@@ -14,8 +14,11 @@ hands them to the same `hardware.step_time`:
   attention forward (1 unit) unless the policy keeps the kernel's residuals,
   output and lse (lctx/kernels/remat_tags.py); a remat group of k > 1 layers
   replays its layers' whole forward once more (its layers then recompute what
-  their own policy drops); every policy but 'none' recomputes the elementwise
-  rest, not counted.
+  their own policy drops); UPipe's head stages (head_chunks > 1 under ulysses
+  or usp, lctx/parallel/upipe.py) are checkpoints of their own: their backward
+  runs the attention forward once more, under 'none' too, unless the layer's
+  policy keeps the attention residuals; every policy but 'none' recomputes the
+  elementwise rest, not counted.
 - collective bytes per device (ICI; ring algorithms, (n-1)/n of the data): FSDP
   gathers the parameters in the forward and the backward and reduce-scatters the
   gradients; all_gather gathers K/V per layer and reduce-scatters dK/dV;
@@ -98,6 +101,9 @@ def flops_per_device(model, dims: mm.ModelDims, setup: mm.Setup, devices: int) -
       if dims.linear_layers:  # and the linear layers' whole forward
         mixer = models_config.linear_layer_flops(model, setup.seq_len)
         recompute += dims.linear_layers * (mixer + sum(proj[t] for t in _MLP_TAGS))
+  upipe = (setup.head_chunks or 1) > 1
+  if upipe and (setup.remat_policy == "none" or not attention_kept(setup)):
+    recompute += attn_fwd  # each UPipe stage, a checkpoint, replays its attention
   model_flops = per_token * tokens
   total = model_flops + (extra + lin["extra"] + recompute) * tokens
   return {

@@ -132,3 +132,51 @@ def test_refs_stop_under_drafts():
   want, _ = decode([p], [12], refs=[(ref,)], batch_size=1)
   got, n = decode([p], [12], refs=[(ref,)], batch_size=1, drafts=[np.asarray(g)])
   assert got == want and len(want[0]) <= 3 and n == 1
+
+
+def _forward_argmax(prompt, answer):
+  """The teacher-forced forward's argmaxes at the answer positions."""
+  seq = np.concatenate([prompt, answer]).astype(np.int32)[None]
+  index = np.zeros((1, 8), np.int32)
+  index[0, : len(answer)] = np.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
+  batch = {
+    "inputs": seq,
+    "positions": np.arange(seq.shape[1])[None],
+    "segment_ids": np.ones_like(seq),
+    "targets": np.concatenate([seq[:, 1:], seq[:, :1] * 0], axis=1),
+    "score_index": index,
+    "bucket": np.full_like(seq, -1),
+  }
+  return logits_scorer(hash_fn)(batch)["argmax"][0, : len(answer)]
+
+
+def test_argmaxes_of_an_earlier_forward_replace_the_first_call():
+  """The teacher-forced forward (prompt + answer) is the first verifying one:
+  its argmaxes give the same tokens with fewer calls; none for an answer the
+  model gives whose text holds the reference."""
+  ps = prompts()
+  plain, _ = decode(ps, [12] * len(ps), batch_size=1)
+  answers = [np.asarray((g + LETTERS * 2)[:6]) for g in plain[:12]]
+  answers += [np.asarray([LETTERS[0]] * 6) for _ in plain[12:]]
+  known = [_forward_argmax(p, a) for p, a in zip(ps, answers)]
+  kw = dict(batch_size=1, drafts=answers, lookup=True)
+  with_drafts, n_drafts = decode(ps, [12] * len(ps), **kw)
+  got, n = decode(ps, [12] * len(ps), draft_argmax=known, **kw)
+  assert got == with_drafts == plain and n < n_drafts
+  checked = 0
+  for p in ps:
+    g = reference(p, 12)
+    if len(g) < 6:
+      continue
+    checked += 1
+    a = np.asarray(g[:6])
+    got, n = decode(
+      [p],
+      [12],
+      refs=[(TOK.decode(g[:6]),)],
+      draft_argmax=[_forward_argmax(p, a)],
+      drafts=[a],
+      batch_size=1,
+    )
+    assert got == [g[:6]] and n == 0
+  assert checked >= 3

@@ -19,10 +19,13 @@ least one). The result is token for token the plain path's. Drafts: first the
 example's own answer tokens (those the teacher-forced score feeds), then, once
 they are used up or contradicted, `lookup` proposes the tokens that followed the
 latest earlier occurrence of the row's last few tokens (prompt-lookup decoding:
-a model that copies from its context is guessed right). A row whose greedy
-continuation is its answer costs 1 forward (answers under _K tokens); one that
-copies a phrase costs about one forward per copied stretch; the worst case is
-the plain path's one per token.
+a model that copies from its context is guessed right). The teacher-forced
+score's forward (prompt + answer, its argmax at each answer position) is the
+first verifying forward, so it is not run again (`draft_argmax`). Per example,
+beyond the teacher-forced forward: 0 forwards when the greedy continuation is
+the answer (its text then holds the references), 1 or more after a first
+mismatch (about one per stretch the lookup guesses right, one per token at
+worst: the plain path's count).
 
 A row stops at EOS, at its budget, or once its decoded text holds every
 reference (RULER's string match only looks for the references, and text added
@@ -57,6 +60,7 @@ def greedy_decode(
   width: int | None = None,
   drafts: Sequence[np.ndarray | None] | None = None,
   lookup: bool = False,
+  draft_argmax: Sequence[np.ndarray | None] | None = None,
   stats: dict | None = None,
 ) -> list[tuple[np.ndarray, str]]:
   """Per prompt (int32 [T_i]) the greedy continuation of up to budgets[i]
@@ -65,6 +69,9 @@ def greedy_decode(
   call (default: the batch's longest prompt + budget, rounded up to
   length_multiple). `drafts` (per prompt int [D_i] or None) and `lookup`: the
   draft-verified path (module docstring), the same tokens in fewer forwards.
+  `draft_argmax` (per prompt int [m_i] or None, m_i <= D_i): the argmaxes an
+  earlier forward of prompt + drafts[i] gave after drafts[i][:j], j < m_i (the
+  teacher-forced score's), taken as that forward's result: no call for them.
   `stats`, if given, gets `forwards` (calls to the model) added."""
   scorer: Scorer = as_scorer(model)
   out: list = [None] * len(prompts)
@@ -82,6 +89,24 @@ def greedy_decode(
     pending = [
       [] if drafts is None or drafts[i] is None else [int(x) for x in drafts[i]] for i in idx
     ]
+    for r, i in enumerate(idx):
+      known = None if draft_argmax is None else draft_argmax[i]
+      if known is not None and len(known) and not done[r]:
+        if len(known) > len(pending[r]):
+          raise ValueError(f"draft_argmax[{i}] is longer than drafts[{i}].")
+        _take(
+          known,
+          pending[r][: len(known) - 1],
+          r,
+          i,
+          gen,
+          rows,
+          pending,
+          done,
+          budgets,
+          tokenizer,
+          refs,
+        )
     while not all(done):
       guess: list[list[int]] = [[] for _ in idx]
       if verify:
@@ -95,17 +120,8 @@ def greedy_decode(
       top = np.asarray(scorer(_batch(rows, guess, batch_size, t))["argmax"])
       calls += 1
       for r, i in enumerate(idx):
-        if done[r]:
-          continue
-        before = len(gen[r])
-        for j in range(len(guess[r]) + 1):
-          tok = int(top[r, j])
-          done[r] = _accept(tok, gen[r], rows[r], budgets[i], tokenizer, refs and refs[i])
-          if done[r] or j == len(guess[r]) or tok != guess[r][j]:
-            break
-        # The rest of the draft still applies only if it held for all accepted.
-        s = len(gen[r]) - before
-        pending[r] = pending[r][s:] if pending[r][:s] == gen[r][before:] else []
+        if not done[r]:
+          _take(top[r], guess[r], r, i, gen, rows, pending, done, budgets, tokenizer, refs)
     for r, i in enumerate(idx):
       out[i] = (np.asarray(gen[r], np.int32), tokenizer.decode(gen[r]))
     # Decoding is slow (a full forward per call): say how far it got.
@@ -120,6 +136,21 @@ def greedy_decode(
   if stats is not None:
     stats["forwards"] = stats.get("forwards", 0) + calls
   return out
+
+
+def _take(top, guess, r, i, gen, rows, pending, done, budgets, tokenizer, refs) -> None:
+  """Row r (prompt i) takes the greedy tokens one forward of row + guess gave
+  (top[j]: the argmax after guess[:j]): up to and including the first one that
+  differs from the guess, or until the row is done."""
+  before = len(gen[r])
+  for j in range(len(guess) + 1):
+    tok = int(top[j])
+    done[r] = _accept(tok, gen[r], rows[r], budgets[i], tokenizer, refs and refs[i])
+    if done[r] or j == len(guess) or tok != guess[j]:
+      break
+  # The rest of the draft still applies only if it held for all accepted.
+  s = len(gen[r]) - before
+  pending[r] = pending[r][s:] if pending[r][:s] == gen[r][before:] else []
 
 
 def _accept(tok: int, gen: list[int], row: list[int], budget: int, tokenizer, refs) -> bool:
@@ -188,6 +219,7 @@ def generation_scores(
   length_multiple: int = 1,
   width: int | None = None,
   verify: bool = True,
+  teacher_forced: Sequence[dict] | None = None,
   stats: dict | None = None,
 ) -> list[dict]:
   """Per example (tokens, answer_start, answer_items, metric, max_new_tokens):
@@ -197,7 +229,9 @@ def generation_scores(
   decodes at most min(max_new_tokens, its own budget) tokens. `verify`: the
   draft-verified path with the example's answer tokens tokens[answer_start:]
   as the first draft, then lookup drafts (the same tokens as the plain path, in
-  fewer forwards); `stats` as in greedy_decode."""
+  fewer forwards); `teacher_forced`: with verify, score_answers' results for
+  the same examples, whose `argmax` is the first verifying forward (no call
+  for it); `stats` as in greedy_decode."""
   prompts = [np.asarray(ex.tokens[: ex.answer_start]) for ex in examples]
   budgets = [
     min(max_new_tokens, int(getattr(ex, "max_new_tokens", max_new_tokens))) for ex in examples
@@ -214,6 +248,7 @@ def generation_scores(
     width=width,
     drafts=[np.asarray(ex.tokens[ex.answer_start :]) for ex in examples] if verify else None,
     lookup=verify,
+    draft_argmax=[s["argmax"] for s in teacher_forced] if verify and teacher_forced else None,
     stats=stats,
   )
   return [

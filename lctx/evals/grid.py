@@ -174,6 +174,7 @@ def run_grid(
         length_multiple=length_multiple,
         width=round_up(length, max(1, length_multiple)),
         verify=draft_decoding,
+        teacher_forced=scores,
         stats=gen_stats,
       )
       gen_seconds = time.perf_counter() - t0

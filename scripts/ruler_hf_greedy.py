@@ -135,7 +135,7 @@ def main():
             f"error: {task} at {length}, depth {depth}: the run's retrieval.json has no "
             "generated_ids (an older run): use --mode=generate."
           )
-        scores, texts, agreed = [], [], 0
+        scores, texts, agreed, stops = [], [], 0, []
         for s, ex in enumerate(_examples(cfg, tok, length, task, di, depth)):
           prompt = [int(t) for t in ex.tokens[: ex.answer_start]]
           budget = min(cfg["generation_tokens"], ex.max_new_tokens)
@@ -147,6 +147,7 @@ def main():
             mine = rec["generated_ids"][s]
             j, why = _verify(model, tok, prompt, mine, budget, ex.answer_items)
             timing[2] += 1
+            stops.append(why)
             ids = mine
             if j is None:
               agreed += 1
@@ -183,6 +184,8 @@ def main():
         if args.mode == "verify":
           row["agreed"] = agreed
           row["n"] = len(texts)
+          # why lctx's decoding stopped (or where it first differs), per example
+          row["stops"] = stops
         out.append(row)
         agree = f", agreed {agreed}/{len(texts)}" if args.mode == "verify" else ""
         print(

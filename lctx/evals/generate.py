@@ -21,7 +21,9 @@ they are used up or contradicted, `lookup` proposes the tokens that followed the
 latest earlier occurrence of the row's last few tokens (prompt-lookup decoding:
 a model that copies from its context is guessed right). The teacher-forced
 score's forward (prompt + answer, its argmax at each answer position) is the
-first verifying forward, so it is not run again (`draft_argmax`). Per example,
+first verifying forward, so it is not run again (`draft_argmax`; its rows may
+be padded to a shorter width than the decoding calls', which changes no
+argmax in exact arithmetic, only float rounding, as any two padded widths do). Per example,
 beyond the teacher-forced forward: 0 forwards when the greedy continuation is
 the answer (its text then holds the references), 1 or more after a first
 mismatch (about one per stretch the lookup guesses right, one per token at

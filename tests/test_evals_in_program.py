@@ -8,6 +8,7 @@ window ablation and the context-use evals, under every context-parallel
 strategy, zigzag included. And the compiled step must hold no [B, T, E] buffer.
 """
 
+import dataclasses
 import os
 import re
 
@@ -141,11 +142,27 @@ def test_ruler_prompts_and_greedy_decoding_match_the_host_logits_path_under_ring
     held_out_phrasing=False,
     generation_tokens=4,
   )
-  program, host = _both(_trainer("ring"), tmp_path, config, None)
+  trainer = _trainer("ring")
+  program, host = _both(trainer, tmp_path, config, None)
   assert "eval/effective_length" in program and "eval/passkey/gen" in program
   rp = _records(tmp_path, "program")
   assert all(len(r["generation"]) > 0 for r in rp)  # it decoded (bytes of a random model)
   _assert_same(tmp_path, program, host)
+  # The draft-verified decoding (the default) gives the plain path's tokens
+  # through the sharded program too, in no more forwards (a random model's
+  # answers and lookups rarely match its argmaxes: the saving shows on real ones).
+  plain = dataclasses.replace(config, draft_decoding=False)
+  run_evals(
+    trainer.score_fn(trainer.init_state(0)),
+    TOK,
+    config=plain,
+    workdir=str(tmp_path / "plain"),
+    step=1,
+    write_files=True,
+  )
+  rplain = _records(tmp_path, "plain")
+  assert [r["generated_ids"] for r in rp] == [r["generated_ids"] for r in rplain]
+  assert rp[0]["length_generation_forwards"] <= rplain[0]["length_generation_forwards"]
 
 
 # usp (a ring over all-to-all groups) in the default suite; its two parts alone under -m slow.

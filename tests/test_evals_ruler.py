@@ -263,6 +263,9 @@ def test_run_evals_writes_both_scores_disagreement_and_effective_length(tmp_path
     held_out_haystack="none",
     held_out_phrasing=False,
     generation_tokens=8,
+    # _copy_fn reads the next input, so it is not causal: the draft-verified
+    # path (which assumes a causal model) would see its draft copied back.
+    draft_decoding=False,
   )
   metrics = run_evals(_copy_fn, TOK, config=cfg, workdir=str(tmp_path), step=3, write_files=True)
   with open(tmp_path / "evals" / "retrieval.json") as f:

@@ -1,12 +1,33 @@
 """Greedy decoding through the Scorer, and RULER's generation score.
 
-Decoding is by repeated full forwards: step i feeds every row's prompt plus its
-i decoded tokens (right-padded to one width per call, so the sharded program
-compiles once per grid length) and reads back the argmax at each row's last
-position (the Scorer's `argmax`, lctx/evals/scoring.py). So it runs under the
-run's context-parallel strategy with no KV cache; the cost is one forward of the
-whole row per decoded token: a budget of N tokens costs up to N times the
-teacher-forced score.
+Decoding is by full forwards with no KV cache: each call feeds every row's
+prompt plus its decoded tokens (right-padded to one width per call, so the
+sharded program compiles once per grid length) and reads back argmaxes through
+the Scorer's `score_index` (lctx/evals/scoring.py). So it runs under the run's
+context-parallel strategy.
+
+Plain path (no drafts): one forward of the whole row per decoded token; a budget
+of N tokens costs up to N forwards, N times the teacher-forced score.
+
+Draft-verified path (`drafts`, speculative decoding with a known draft): a call
+also feeds a guess of the next tokens d_0..d_{k-1} (k < _K) after the row and
+reads the argmax at the row's last position and at each draft position. The
+argmax after d_0..d_{j-1} is the greedy token g_j whenever d_0..d_{j-1} equal
+g_0..g_{j-1} (the model is causal: later tokens cannot change it), so one
+forward yields the greedy tokens up to and including the first mismatch (at
+least one). The result is token for token the plain path's. Drafts: first the
+example's own answer tokens (those the teacher-forced score feeds), then, once
+they are used up or contradicted, `lookup` proposes the tokens that followed the
+latest earlier occurrence of the row's last few tokens (prompt-lookup decoding:
+a model that copies from its context is guessed right). The teacher-forced
+score's forward (prompt + answer, its argmax at each answer position) is the
+first verifying forward, so it is not run again (`draft_argmax`; its rows may
+be padded to a shorter width than the decoding calls', which changes no
+argmax in exact arithmetic, only float rounding, as any two padded widths do). Per example,
+beyond the teacher-forced forward: 0 forwards when the greedy continuation is
+the answer (its text then holds the references), 1 or more after a first
+mismatch (about one per stretch the lookup guesses right, one per token at
+worst: the plain path's count).
 
 A row stops at EOS, at its budget, or once its decoded text holds every
 reference (RULER's string match only looks for the references, and text added
@@ -25,6 +46,9 @@ from absl import logging
 from lctx.evals import ruler
 from lctx.evals.scoring import Scorer, as_scorer, round_up
 
+_K = 8  # argmaxes read per row and call (score_index width, as the teacher-forced score's)
+_NGRAM = 3  # longest row suffix the lookup draft matches
+
 
 def greedy_decode(
   model,
@@ -36,15 +60,26 @@ def greedy_decode(
   batch_size: int,
   length_multiple: int = 1,
   width: int | None = None,
+  drafts: Sequence[np.ndarray | None] | None = None,
+  lookup: bool = False,
+  draft_argmax: Sequence[np.ndarray | None] | None = None,
+  stats: dict | None = None,
 ) -> list[tuple[np.ndarray, str]]:
   """Per prompt (int32 [T_i]) the greedy continuation of up to budgets[i]
   tokens: (ids int32 [n_i], decoded text, EOS excluded). `refs`: stop a row
   once its text holds all of them. `width`: the padded row length of every
   call (default: the batch's longest prompt + budget, rounded up to
-  length_multiple)."""
+  length_multiple). `drafts` (per prompt int [D_i] or None) and `lookup`: the
+  draft-verified path (module docstring), the same tokens in fewer forwards.
+  `draft_argmax` (per prompt int [m_i] or None, m_i <= D_i): the argmaxes an
+  earlier forward of prompt + drafts[i] gave after drafts[i][:j], j < m_i (the
+  teacher-forced score's), taken as that forward's result: no call for them.
+  `stats`, if given, gets `forwards` (calls to the model) added."""
   scorer: Scorer = as_scorer(model)
   out: list = [None] * len(prompts)
+  verify = drafts is not None or lookup
   t0 = time.perf_counter()
+  calls = 0
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   for start in range(0, len(order), batch_size):
     idx = order[start : start + batch_size]
@@ -53,47 +88,116 @@ def greedy_decode(
     rows = [list(np.asarray(prompts[i], np.int64)) for i in idx]
     gen: list[list[int]] = [[] for _ in idx]
     done = [budgets[i] <= 0 for i in idx]
+    pending = [
+      [] if drafts is None or drafts[i] is None else [int(x) for x in drafts[i]] for i in idx
+    ]
+    for r, i in enumerate(idx):
+      known = None if draft_argmax is None else draft_argmax[i]
+      if known is not None and len(known) and not done[r]:
+        if len(known) > len(pending[r]):
+          raise ValueError(f"draft_argmax[{i}] is longer than drafts[{i}].")
+        _take(
+          known,
+          pending[r][: len(known) - 1],
+          r,
+          i,
+          gen,
+          rows,
+          pending,
+          done,
+          budgets,
+          tokenizer,
+          refs,
+        )
     while not all(done):
-      batch = _batch(rows, batch_size, t)
-      top = np.asarray(scorer(batch)["argmax"])[:, 0]
+      guess: list[list[int]] = [[] for _ in idx]
+      if verify:
+        for r, i in enumerate(idx):
+          room = min(_K - 1, budgets[i] - len(gen[r]) - 1)
+          if done[r] or room <= 0:
+            continue
+          if not pending[r] and lookup:
+            pending[r] = _lookup(rows[r], room)
+          guess[r] = pending[r][:room]
+      top = np.asarray(scorer(_batch(rows, guess, batch_size, t))["argmax"])
+      calls += 1
       for r, i in enumerate(idx):
-        if done[r]:
-          continue
-        tok = int(top[r])
-        if tok == tokenizer.eos_id:
-          done[r] = True
-          continue
-        gen[r].append(tok)
-        rows[r].append(tok)
-        if len(gen[r]) >= budgets[i]:
-          done[r] = True
-        elif refs is not None:
-          text = tokenizer.decode(gen[r]).lower()
-          done[r] = all(x.lower() in text for x in refs[i])
+        if not done[r]:
+          _take(top[r], guess[r], r, i, gen, rows, pending, done, budgets, tokenizer, refs)
     for r, i in enumerate(idx):
       out[i] = (np.asarray(gen[r], np.int32), tokenizer.decode(gen[r]))
-    # Decoding is slow (a full forward per token): say how far it got.
+    # Decoding is slow (a full forward per call): say how far it got.
     logging.info(
-      "greedy decoding: %d of %d prompts at width %d, %.1f s",
+      "greedy decoding: %d of %d prompts at width %d, %d forwards, %.1f s",
       min(start + batch_size, len(order)),
       len(order),
       t,
+      calls,
       time.perf_counter() - t0,
     )
+  if stats is not None:
+    stats["forwards"] = stats.get("forwards", 0) + calls
   return out
 
 
-def _batch(rows: list[list[int]], batch_size: int, t: int) -> dict[str, np.ndarray]:
-  """Scorer batch: rows right-padded to t; score_index column 0 is each row's
-  last position (what it predicts next); no loss buckets."""
+def _take(top, guess, r, i, gen, rows, pending, done, budgets, tokenizer, refs) -> None:
+  """Row r (prompt i) takes the greedy tokens one forward of row + guess gave
+  (top[j]: the argmax after guess[:j]): up to and including the first one that
+  differs from the guess, or until the row is done."""
+  before = len(gen[r])
+  for j in range(len(guess) + 1):
+    tok = int(top[j])
+    done[r] = _accept(tok, gen[r], rows[r], budgets[i], tokenizer, refs and refs[i])
+    if done[r] or j == len(guess) or tok != guess[j]:
+      break
+  # The rest of the draft still applies only if it held for all accepted.
+  s = len(gen[r]) - before
+  pending[r] = pending[r][s:] if pending[r][:s] == gen[r][before:] else []
+
+
+def _accept(tok: int, gen: list[int], row: list[int], budget: int, tokenizer, refs) -> bool:
+  """Takes greedy token `tok` into the row; True if the row is done: EOS (not
+  kept), the budget reached, or every reference in the decoded text."""
+  if tok == tokenizer.eos_id:
+    return True
+  gen.append(tok)
+  row.append(tok)
+  if len(gen) >= budget:
+    return True
+  if refs:
+    text = tokenizer.decode(gen).lower()
+    return all(x.lower() in text for x in refs)
+  return False
+
+
+def _lookup(row: list[int], k: int) -> list[int]:
+  """Prompt-lookup draft: the up to k tokens that followed the latest earlier
+  occurrence of the row's last n tokens (n = _NGRAM down to 1); [] if none."""
+  arr = np.asarray(row)
+  for n in range(min(_NGRAM, len(row) - 1), 0, -1):
+    tail = arr[-n:]
+    starts = np.nonzero(arr[: len(row) - n] == tail[0])[0]
+    for p in starts[::-1]:
+      if np.array_equal(arr[p : p + n], tail):
+        return [int(x) for x in arr[p + n : p + n + k]]
+  return []
+
+
+def _batch(
+  rows: list[list[int]], guess: list[list[int]], batch_size: int, t: int
+) -> dict[str, np.ndarray]:
+  """Scorer batch: each row plus its draft, right-padded to t; score_index
+  column j is the position that predicts the token after draft[:j] (column 0:
+  the row's last position); unused columns 0 (ignored); no loss buckets."""
   inputs = np.zeros((batch_size, t), np.int32)
   positions = np.zeros((batch_size, t), np.int32)
   segment_ids = np.zeros((batch_size, t), np.int32)
-  index = np.zeros((batch_size, 8), np.int32)
-  for r, row in enumerate(rows):
-    n = len(row)
-    inputs[r, :n], positions[r, :n], segment_ids[r, :n] = row, np.arange(n), 1
-    index[r, 0] = n - 1
+  index = np.zeros((batch_size, _K), np.int32)
+  for r, (row, g) in enumerate(zip(rows, guess)):
+    seq = row + g
+    n = len(seq)
+    inputs[r, :n], positions[r, :n], segment_ids[r, :n] = seq, np.arange(n), 1
+    index[r, : len(g) + 1] = np.arange(len(row) - 1, n)
   targets = np.zeros_like(inputs)
   targets[:, :-1] = inputs[:, 1:]
   bucket = np.full((batch_size, t), -1, np.int32)
@@ -116,11 +220,20 @@ def generation_scores(
   batch_size: int,
   length_multiple: int = 1,
   width: int | None = None,
+  verify: bool = True,
+  teacher_forced: Sequence[dict] | None = None,
+  stats: dict | None = None,
 ) -> list[dict]:
   """Per example (tokens, answer_start, answer_items, metric, max_new_tokens):
   `generation_score` (RULER's metric on the greedy continuation of the prompt
-  tokens[:answer_start], a fraction in [0, 1]) and `generation` (the text).
-  Each example decodes at most min(max_new_tokens, its own budget) tokens."""
+  tokens[:answer_start], a fraction in [0, 1]), `generation` (the text), `ids`
+  (the decoded token ids, a list) and `tokens` (their count). Each example
+  decodes at most min(max_new_tokens, its own budget) tokens. `verify`: the
+  draft-verified path with the example's answer tokens tokens[answer_start:]
+  as the first draft, then lookup drafts (the same tokens as the plain path, in
+  fewer forwards); `teacher_forced`: with verify, score_answers' results for
+  the same examples, whose `argmax` is the first verifying forward (no call
+  for it); `stats` as in greedy_decode."""
   prompts = [np.asarray(ex.tokens[: ex.answer_start]) for ex in examples]
   budgets = [
     min(max_new_tokens, int(getattr(ex, "max_new_tokens", max_new_tokens))) for ex in examples
@@ -135,11 +248,16 @@ def generation_scores(
     batch_size=batch_size,
     length_multiple=length_multiple,
     width=width,
+    drafts=[np.asarray(ex.tokens[ex.answer_start :]) for ex in examples] if verify else None,
+    lookup=verify,
+    draft_argmax=[s["argmax"] for s in teacher_forced] if verify and teacher_forced else None,
+    stats=stats,
   )
   return [
     {
       "generation_score": ruler.example_score(text, r, getattr(ex, "metric", "all")),
       "generation": text,
+      "ids": [int(x) for x in ids],
       "tokens": int(ids.size),
     }
     for ex, r, (ids, text) in zip(examples, refs, decoded)

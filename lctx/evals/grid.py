@@ -79,6 +79,7 @@ def run_grid(
   attention_windows: Sequence[int | None] | None = None,
   builder=build_example,
   generate_tokens: int = 0,
+  draft_decoding: bool = True,
 ) -> list[dict]:
   """Builds and scores the grid; returns one record per (variant, task, length,
   depth) with keys task, length, depth, accuracy, n, needle_removed, held_out,
@@ -86,9 +87,12 @@ def run_grid(
   chance, distance (mean tokens from the depth-placed needle's start to the
   end), for main cells with window < length window_accuracy and window_loglik,
   and with bounded `attention_windows` receptive_field and reach_class; with
-  `generate_tokens`, generation_score, disagree and generation (the first
-  example's decoded text). `builder` makes the examples: build_example (spliced
-  ids) or lctx.evals.prompts.build_text_example (RULER text, partially applied).
+  `generate_tokens`, generation_score, disagree, generation (the first
+  example's decoded text), generations and generated_ids (every example's text
+  and token ids), generated_tokens, and the length's wall times and decoding
+  forwards (length_tf_seconds, length_generation_seconds,
+  length_generation_forwards); `draft_decoding`: generation_scores' `verify`.
+  `builder` makes the examples: build_example (spliced ids) or lctx.evals.prompts.build_text_example (RULER text, partially applied).
   Cells too short for a task are skipped with a warning. Examples are built
   one length at a time so memory stays bounded at long lengths."""
   records = []
@@ -158,7 +162,7 @@ def run_grid(
         length_multiple=length_multiple,
       )
       win_scores = dict(zip(main_idx, ws))
-    gen, gen_seconds = [], 0.0
+    gen, gen_seconds, gen_stats = [], 0.0, {}
     if generate_tokens > 0:
       t0 = time.perf_counter()
       gen = generation_scores(
@@ -169,6 +173,9 @@ def run_grid(
         batch_size=batch_size,
         length_multiple=length_multiple,
         width=round_up(length, max(1, length_multiple)),
+        verify=draft_decoding,
+        teacher_forced=scores,
+        stats=gen_stats,
       )
       gen_seconds = time.perf_counter() - t0
     pos = 0
@@ -191,10 +198,14 @@ def run_grid(
             np.mean([(s["exact"] == 1.0) != (x["generation_score"] == 1.0) for s, x in zip(sc, g)])
           ),
           generation=g[0]["generation"][:200],
+          generations=[x["generation"][:200] for x in g],
+          generated_ids=[x["ids"] for x in g],
           # this length's wall time: all its cells' teacher-forced scoring, and decoding
           length_tf_seconds=tf_seconds,
           length_generation_seconds=gen_seconds,
           generated_tokens=int(sum(x["tokens"] for x in g)),
+          # this length's decoding calls (forwards of batch_size rows), all cells
+          length_generation_forwards=int(gen_stats.get("forwards", 0)),
         )
       if use_window and pos in win_scores:
         wsc = [win_scores[pos + k] for k in range(len(exs))]

@@ -59,8 +59,13 @@ class EvalConfig:
   generation_tokens: int = 0
   """Greedy decoding budget for the generation score (RULER's string match);
   each task decodes at most its RULER tokens_to_generate. 0 = off. Costs up to
-  this many forwards per example (lctx/evals/generate.py); runs in --mode=eval
-  and at the end of training, not in the evals during training."""
+  this many forwards per example on the plain path, usually 1 or 2 with
+  draft_decoding (lctx/evals/generate.py); runs in --mode=eval and at the end
+  of training, not in the evals during training."""
+  draft_decoding: bool = True
+  """Greedy decoding verifies a draft (the example's answer tokens, then
+  prompt-lookup guesses) in each forward: the same tokens as one forward per
+  token (the model is causal), in fewer forwards. False: the plain path."""
   needle_kinds: tuple[str, str] = ("words", "numbers")
   """'ruler' niah needles: (key kind, value kind), each in ruler.NEEDLE_KINDS."""
   chat: bool = False
@@ -241,6 +246,7 @@ def run_evals(
     attention_windows=attention_windows,
     builder=builder,
     generate_tokens=gen_tokens,
+    draft_decoding=config.draft_decoding,
   )
   if config.task_files:
     records += run_task_files(
@@ -251,6 +257,7 @@ def run_evals(
       length_multiple=config.length_multiple,
       add_bos=config.add_bos,
       generate_tokens=gen_tokens,
+      draft_decoding=config.draft_decoding,
     )
   metrics = grid_metrics(records)
   main = [metrics[f"eval/{t}/acc"] for t in config.tasks if f"eval/{t}/acc" in metrics]

@@ -174,10 +174,12 @@ def score_rows(
   batch_size: int,
   length_multiple: int = 1,
   buckets: Sequence[np.ndarray] | None = None,
-) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  with_argmax: bool = False,
+) -> list[tuple[np.ndarray, ...]]:
   """token_scores plus, with `buckets` (per sequence int [T_i]: the bucket of
   target t in [0, NUM_BUCKETS), -1 none), each sequence's loss sum per bucket
-  float [NUM_BUCKETS]; without, zeros."""
+  float [NUM_BUCKETS]; without, zeros. `with_argmax`: a 4th element, the
+  argmax int64 [n_i] at the marked positions (the greedy next tokens)."""
   if len(sequences) != len(target_masks):
     raise ValueError("sequences and target_masks differ in length.")
   scorer = as_scorer(model)
@@ -203,6 +205,7 @@ def score_rows(
         np.asarray(res["logp"][row, :n], np.float64),
         np.asarray(res["correct"][row, :n], bool),
         np.asarray(res["bucket_loss"][row], np.float64),
+        *([np.asarray(res["argmax"][row, :n], np.int64)] if with_argmax else []),
       )
   return out
 
@@ -230,23 +233,31 @@ def token_scores(
 
 def score_answers(
   model: Scorer | LogitsFn, examples: Sequence, *, batch_size: int, length_multiple: int = 1
-) -> list[dict[str, float]]:
+) -> list[dict]:
   """Per example (anything with `tokens` [T] and `answer_start`):
   `exact` (1.0 iff greedy decoding would emit the whole answer), `loglik`
-  (sum of answer-token log-probs, nats) and `token_acc` (teacher-forced)."""
+  (sum of answer-token log-probs, nats), `token_acc` (teacher-forced) and
+  `argmax` (int64 [n]: the argmax at each answer position, the prediction after
+  the answer's first j tokens; greedy decoding reuses it, lctx/evals/generate.py)."""
   masks = []
   for ex in examples:
     m = np.zeros(len(ex.tokens), bool)
     m[ex.answer_start :] = True
     masks.append(m)
-  scores = token_scores(
+  scores = score_rows(
     model,
     [ex.tokens for ex in examples],
     masks,
     batch_size=batch_size,
     length_multiple=length_multiple,
+    with_argmax=True,
   )
   return [
-    {"exact": float(c.all()), "loglik": float(lp.sum()), "token_acc": float(c.mean())}
-    for lp, c in scores
+    {
+      "exact": float(c.all()),
+      "loglik": float(lp.sum()),
+      "token_acc": float(c.mean()),
+      "argmax": top,
+    }
+    for lp, c, _, top in scores
   ]

@@ -113,13 +113,15 @@ def run_task_files(
   length_multiple: int = 1,
   add_bos: bool = True,
   generate_tokens: int = 0,
+  draft_decoding: bool = True,
 ) -> list[dict]:
   """Scores every file; one record per (file, length) with the keys of the
   grid's records (lctx.evals.grid.run_grid): task, length, depth (None),
   accuracy (mean line score), n (lines), loglik (mean over lines of the summed
   answer log-likelihoods, nats), token_acc, chance 0, needle_removed and
   held_out False, haystack 'file', phrasing 'file', and task_file; with
-  `generate_tokens`, generation_score and disagree (as the grid's)."""
+  `generate_tokens`, generation_score and disagree (as the grid's);
+  `draft_decoding` as lctx.evals.generate.generation_scores' `verify`."""
   records = []
   for path in paths:
     lines = read_task_file(path)
@@ -136,6 +138,7 @@ def run_task_files(
         max_new_tokens=generate_tokens,
         batch_size=batch_size,
         length_multiple=length_multiple,
+        verify=draft_decoding,
       )
     per_line, pos = [], 0
     for line, exs, gen in zip(lines, examples, gens):

@@ -125,32 +125,6 @@ class TrainConfig:
     """context_options with the strategy this config names."""
     return dataclasses.replace(self.context_options, strategy=self.context_parallel_strategy)
 
-  # Read-only views of the options under the flat names they replaced, for the
-  # planner (lctx/sizing/planner.py) until it reads the options objects.
-  @property
-  def attention_backend(self) -> str:
-    return self.attention_options.backend
-
-  @property
-  def attention_block_q(self) -> int:
-    return self.attention_options.block_q
-
-  @property
-  def attention_block_kv(self) -> int:
-    return self.attention_options.block_kv
-
-  @property
-  def attention_fused_bwd(self) -> bool:
-    return self.attention_options.fused_bwd
-
-  @property
-  def load_balance(self) -> bool | None:
-    return self.context_options.load_balance
-
-  @property
-  def ulysses_head_chunks(self) -> int | None:
-    return self.context_options.head_chunks
-
 
 def validate_train_config(c: TrainConfig) -> None:
   """Raises one ValueError naming the field and the value."""

@@ -2,6 +2,8 @@
 
 import logging
 
+import helpers
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -254,3 +256,52 @@ def test_ring_sub_chunks_bounds_the_kernel_call_length():
   assert ring_sub_chunks(auto, 3 * 4096) == 8  # 1536-token pieces
   assert ring_sub_chunks(ContextOptions(sub_chunks=2), 16384) == 2
   assert ring_sub_chunks(ContextOptions(sub_chunks=3), 16) == 1  # must divide
+
+
+def _plan(strategy, *, load_balance=None, budget=None, seq_len=1024):
+  from lctx.parallel import make_context_plan  # pylint: disable=g-import-not-at-top
+
+  return make_context_plan(
+    helpers.mesh("c8"),
+    AttentionDims(num_heads=8, num_kv_heads=8, head_dim=8, v_head_dim=8),
+    seq_len=seq_len,
+    batch_size=1,
+    context=ContextOptions(strategy=strategy, load_balance=load_balance),
+    memory_budget_bytes=budget,
+  )
+
+
+def test_rules_are_checked_once_when_the_plan_is_made(monkeypatch):
+  from lctx.parallel import auto, context, plan, validation  # pylint: disable=g-import-not-at-top
+
+  calls = []
+
+  def counting(**kw):
+    calls.append(kw["strategy"])
+    return validation.validate_context_parallel(**kw)
+
+  monkeypatch.setattr(plan, "validate_context_parallel", counting)
+  monkeypatch.setattr(auto, "validate_context_parallel", counting)
+  monkeypatch.setattr(context, "validate_context_parallel", counting)
+  configured = _plan("ring")
+  assert calls == ["ring"]
+  calls.clear()
+  _plan("auto")  # each candidate until one fits; the chosen one not again
+  assert calls == ["all_gather"]
+  calls.clear()
+  q = jnp.zeros((1, 1024, 8, 8), jnp.float32)
+  jax.eval_shape(configured.attention_fn, q, q, q)  # the plan's own length
+  assert calls == []
+  jax.eval_shape(configured.attention_fn, q[:, :512], q[:, :512], q[:, :512])
+  jax.eval_shape(configured.attention_fn, q[:, :512], q[:, :512], q[:, :512])
+  assert calls == ["ring"]  # another length (the eval grid's): once per shape
+
+
+def test_auto_plan_holds_the_load_balance_its_choice_was_checked_with():
+  # Nothing fits a 1-byte budget: auto takes the smallest estimate, ulysses,
+  # which it checks without zigzag (no ring to balance); the plan agrees.
+  p = _plan("auto", load_balance=True, budget=1)
+  assert (p.strategy, p.load_balance) == ("ulysses", False)
+  assert _plan("auto", load_balance=True).load_balance  # all_gather: zigzag as asked
+  with pytest.raises(ValueError, match=r"\[ulysses-load-balance\]"):
+    _plan("ulysses", load_balance=True)  # configured: the user's contradiction

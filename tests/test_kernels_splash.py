@@ -506,7 +506,9 @@ def _compiled_train_step(path, monkeypatch):
   gin_utils.parse([path], [*TINY, *mesh_params], [ROOT])
   exp = configs.experiment()
   gin.clear_config()
-  assert exp.train.attention_backend == "auto", f"{path} pins a kernel; 'auto' must take splash"
+  assert exp.train.attention_options.backend == "auto", (
+    f"{path} pins a kernel; 'auto' must take splash"
+  )
   _no_blockwise(monkeypatch)
   mesh = mesh_lib.make_mesh(exp.mesh, devices=tpu_lib.topology_devices(topology))
   return Trainer(exp.model, exp.train, mesh).lower_train_step().compile().as_text()

@@ -116,8 +116,12 @@ def test_python_configs_take_the_objects():
   cfg = TrainConfig(
     attention_options=AttentionOptions(block_q=64), context_options=ContextOptions(head_chunks=2)
   )
-  # The planner's read-only views of the flat names.
-  assert (cfg.attention_block_q, cfg.ulysses_head_chunks, cfg.load_balance) == (64, 2, None)
+  assert (cfg.attention_options.block_q, cfg.context_options.head_chunks) == (64, 2)
+  assert cfg.context_options.load_balance is None
+  # The flat names are gone, not kept as views: one place to read each setting.
+  flat = ("attention_backend", "attention_block_q", "attention_block_kv", "attention_fused_bwd")
+  for old in (*flat, "load_balance", "ulysses_head_chunks"):
+    assert not hasattr(cfg, old), old
   with pytest.raises(TypeError):
     TrainConfig(attention_block_q=64)  # pylint: disable=unexpected-keyword-arg
 

@@ -222,3 +222,16 @@ def test_stage_projections_refused_without_an_all_to_all():
     make_context_plan(
       mesh, dims, seq_len=64, batch_size=8, context=ContextOptions(stage_projections=True)
     )
+
+
+def test_stage_projections_plan_checks_the_strategy_rules_too():
+  from lctx.parallel import AttentionDims, ContextOptions, make_context_plan
+
+  dims = AttentionDims(num_heads=8, num_kv_heads=8, head_dim=16, v_head_dim=16)
+  context = ContextOptions(strategy="ulysses", head_chunks=2, stage_projections=True)
+  # 60 tokens do not split over 8 devices: refused when the plan is made, not
+  # left to the attention call (which does not check the plan's own length).
+  with pytest.raises(ValueError, match=r"\[seq-divisible\]"):
+    make_context_plan(helpers.mesh("c8"), dims, seq_len=60, batch_size=1, context=context)
+  plan = make_context_plan(helpers.mesh("c8"), dims, seq_len=64, batch_size=1, context=context)
+  assert plan.mixer.head_stages is not None

@@ -102,7 +102,7 @@ class AttentionSetup:
 
 
 def resolve_kernel(backend: str, platform: str) -> str:
-  """The kernel (KERNELS) the memory model counts for TrainConfig.attention_backend
+  """The kernel (KERNELS) the memory model counts for AttentionOptions.backend
   on a platform ('tpu', 'gpu', 'cpu'), as lctx/kernels/flash.py resolves 'auto':
   splash on TPU, blockwise elsewhere. The kernels without a model of their own
   (cudnn, xla, cpu, reference) are counted as blockwise: an approximation."""

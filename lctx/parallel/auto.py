@@ -11,7 +11,7 @@ heads divide (not for MLA, not MQA); usp when the mesh has a ulysses axis; ring
 otherwise. Memory comes from lctx/parallel/attention_memory.py (the buffers
 the whole-step memory model of lctx/sizing counts too): the strategy's
 attention buffers while one layer runs backward, for the kernel the step runs
-(`kernel`: attention_memory.KERNELS, resolved from TrainConfig.attention_backend
+(`kernel`: attention_memory.KERNELS, resolved from AttentionOptions.backend
 and the mesh's platform by attention_memory.resolve_kernel; splash on TPU
 meshes), plus an optional caller-given activation cost per local token.
 """
@@ -28,8 +28,8 @@ from lctx.parallel.attention_memory import AttentionDims
 from lctx.parallel.mesh import BATCH_AXES
 from lctx.parallel.validation import (
   STRATEGIES,
+  auto_load_balance,
   context_degrees,
-  default_load_balance,
   validate_context_parallel,
 )
 
@@ -139,7 +139,7 @@ def choose_strategy(
     if mla and s in ("ulysses", "usp"):
       rejected.append(f"{s}: MLA heads go to ring")
       continue
-    lb = default_load_balance(s) if load_balance is None else (load_balance and s != "ulysses")
+    lb = auto_load_balance(s, load_balance)
     try:
       validate_context_parallel(
         strategy=s,

@@ -42,6 +42,7 @@ from lctx.parallel.mixer import SequenceMixer
 from lctx.parallel.options import ContextOptions
 from lctx.parallel.validation import (
   PLAN_STRATEGIES,
+  auto_load_balance,
   default_load_balance,
   validate_context_parallel,
   zigzag_ring_size,
@@ -194,19 +195,23 @@ def make_context_plan(
   context: the run's ContextOptions (strategy, load balance, head stages);
   attention: its AttentionOptions (backend, blocks). Raises a ConfigError
   naming the broken rule (lctx/parallel/validation.py) before anything compiles.
+  This is where the rules are checked, once per plan: 'auto' checks each
+  candidate as it chooses (auto.choose_strategy) and the plan holds the load
+  balance its choice was checked with; a configured strategy is checked here.
+  The plan's attention call does not check its own length again.
   """
-  strategy, load_balance = context.strategy, context.load_balance
+  requested, load_balance = context.strategy, context.load_balance
   head_chunks, stage_projections = context.head_chunks, context.stage_projections
-  if strategy not in (*PLAN_STRATEGIES, "auto"):
+  if requested not in (*PLAN_STRATEGIES, "auto"):
     raise ConfigError(
-      f"[unknown-strategy] context_parallel_strategy {strategy!r} is not one of "
+      f"[unknown-strategy] context_parallel_strategy {requested!r} is not one of "
       f"{(*PLAN_STRATEGIES, 'auto')}"
     )
   shape = mesh_lib.mesh_shape(mesh)
   degree = shape.get("context", 1) * shape.get("context_ulysses", 1)
   platform = mesh_platform(mesh)
   strategy, reason = decide_strategy(
-    strategy,
+    requested,
     mesh_shape=shape,
     platform=platform,
     dims=dims,
@@ -216,7 +221,9 @@ def make_context_plan(
     attention_backend=attention.backend,
     memory_budget_bytes=memory_budget_bytes,
   )
-  if load_balance is None:
+  if requested == "auto":
+    load_balance = auto_load_balance(strategy, load_balance)
+  elif load_balance is None:
     load_balance = default_load_balance(strategy)
   if strategy == "none":
     if degree > 1:
@@ -231,17 +238,18 @@ def make_context_plan(
         "[head-chunks] ContextOptions.head_chunks / stage_projections stage the ulysses "
         "all-to-all; strategy 'none' has none"
       )
-  elif stage_projections:
-    stage_heads(mesh, strategy, head_chunks)  # its rules, before anything compiles
   else:
-    validate_context_parallel(
-      strategy=strategy,
-      mesh_shape=shape,
-      num_q_heads=dims.num_heads,
-      num_kv_heads=dims.num_kv_heads,
-      seq_len=seq_len,
-      load_balance=load_balance,
-    )
+    if stage_projections:
+      stage_heads(mesh, strategy, head_chunks)  # its own rules, before anything compiles
+    if requested != "auto":  # auto checked its choice with these inputs
+      validate_context_parallel(
+        strategy=strategy,
+        mesh_shape=shape,
+        num_q_heads=dims.num_heads,
+        num_kv_heads=dims.num_kv_heads,
+        seq_len=seq_len,
+        load_balance=load_balance,
+      )
   if attention.backend == "auto" and platform == "cpu" and not cpu_fused.available():
     log.warning(
       "attention: the fused C++ CPU kernel is unavailable (%s); float32 calls run "

@@ -38,6 +38,16 @@ def default_load_balance(strategy: str, causal: bool = True) -> bool:
   return bool(causal) and strategy in ("ring", "usp")
 
 
+def auto_load_balance(strategy: str, load_balance: bool | None) -> bool:
+  """The load balance strategy 'auto' gives a candidate: the strategy's default
+  when unset; a requested zigzag wherever there is a ring to balance (ulysses
+  has none, so it runs unbalanced). auto checks each candidate with it, and the
+  plan it makes holds it."""
+  if load_balance is None:
+    return default_load_balance(strategy)
+  return bool(load_balance) and strategy != "ulysses"
+
+
 def validate_context_parallel(
   *,
   strategy: str,

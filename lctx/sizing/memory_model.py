@@ -25,7 +25,7 @@ What the step holds, per device (lctx/trainer.py, lctx/models/transformer.py):
     head group over the whole sequence; ring / usp the visiting K/V block and
     the next, travelling f32 dK/dV, f32 output and dQ accumulators (usp also
     both layouts around its all-to-alls). By kernel (Setup.kernel, resolved
-    from TrainConfig.attention_backend like the trainer: 'auto' is splash on
+    from AttentionOptions.backend like the trainer: 'auto' is splash on
     TPU): blockwise adds its f32 [bq, bk] score tiles per kv-head group;
     splash keeps its tiles in VMEM, and holds lane-wide f32 statistics
     ([heads, tokens, 128]) and f32 output / dq accumulators in HBM;
@@ -142,9 +142,9 @@ class Setup:
     kernel: the attention kernel the step runs, 'blockwise' (pure JAX: f32
       score tiles in HBM) or 'splash' (TPU Pallas: tiles in VMEM; lane-wide
       f32 softmax statistics in HBM); see KERNELS and `resolve_kernel`.
-    head_chunks: TrainConfig.ulysses_head_chunks (ulysses / usp UPipe stages;
+    head_chunks: ContextOptions.head_chunks (ulysses / usp UPipe stages;
       see head_chunk_fractions); None: all heads at once.
-    fused_bwd: splash's fused dq+dkv backward (TrainConfig.attention_fused_bwd):
+    fused_bwd: splash's fused dq+dkv backward (AttentionOptions.fused_bwd):
       5 matmuls per block pair instead of 7, and dq partials of at most
       dq_partial_bytes while it runs (attention_memory.splash_dq_partial_bytes,
       not added to the total: the compile checks do not show them at the peak).

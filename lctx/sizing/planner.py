@@ -11,7 +11,7 @@ breakdown and the choice, writes `<workdir>/plan.json`, and prints the
 compiler about the winner; `plan_then_compile=True` runs that compile too.
 
 The attention kernel counted is the one the step will run:
-TrainConfig.attention_backend, with 'auto' resolved by the target's platform as
+AttentionOptions.backend (TrainConfig.attention_options), with 'auto' resolved by the target's platform as
 the trainer resolves it (splash on TPU slices, blockwise elsewhere);
 plan.json's setups name it (`attention_kernel`).
 
@@ -140,10 +140,11 @@ def make_setup(
   offload_params: bool | None = None,
 ) -> mm.Setup:
   """A memory-model Setup of the experiment with these choices on `platform`'s
-  devices ('tpu', 'gpu'; the attention kernel follows TrainConfig.attention_backend
+  devices ('tpu', 'gpu'; the attention kernel follows AttentionOptions.backend
   as the trainer resolves it: 'auto' is splash on TPU, blockwise elsewhere).
   offload_optimizer_state / offload_params: None keeps the TrainConfig's."""
   train = exp.train
+  attention = train.attention_options
   if offload_optimizer_state is None:
     offload_optimizer_state = getattr(train, "offload_optimizer_state", False)
   if offload_params is None:
@@ -162,13 +163,11 @@ def make_setup(
     param_bytes=_dtype_bytes(exp.model.param_dtype),
     loss_chunk_size=exp.train.loss_chunk_size,
     mlp_chunk_size=exp.model.mlp_chunk_size,
-    block_q=exp.train.attention_block_q,
-    block_kv=exp.train.attention_block_kv,
-    kernel=mm.resolve_kernel(exp.train.attention_backend, platform),
-    head_chunks=getattr(exp.train, "ulysses_head_chunks", None)
-    if strategy in ("ulysses", "usp")
-    else None,
-    fused_bwd=getattr(train, "attention_fused_bwd", True),
+    block_q=attention.block_q,
+    block_kv=attention.block_kv,
+    kernel=mm.resolve_kernel(attention.backend, platform),
+    head_chunks=train.context_options.head_chunks if strategy in ("ulysses", "usp") else None,
+    fused_bwd=attention.fused_bwd,
   )
 
 
@@ -335,8 +334,8 @@ def run_strategy(exp, mesh_shape: dict[str, int], platform: str) -> tuple[str, s
     dims=AttentionDims.of_model(exp.model),
     seq_len=train.seq_len,
     batch_size=train.batch_size,
-    load_balance=train.load_balance,
-    attention_backend=train.attention_backend,
+    load_balance=train.context_options.load_balance,
+    attention_backend=train.attention_options.backend,
     memory_budget_bytes=int(train.device_memory_gib * 2**30),
   )
 

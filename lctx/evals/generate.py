@@ -37,6 +37,7 @@ stops when all its rows have.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -85,47 +86,38 @@ def greedy_decode(
     idx = order[start : start + batch_size]
     need = max(len(prompts[i]) + budgets[i] for i in idx)
     t = max(round_up(need, max(1, length_multiple)), width or 0)
-    rows = [list(np.asarray(prompts[i], np.int64)) for i in idx]
-    gen: list[list[int]] = [[] for _ in idx]
-    done = [budgets[i] <= 0 for i in idx]
-    pending = [
-      [] if drafts is None or drafts[i] is None else [int(x) for x in drafts[i]] for i in idx
+    rows = [
+      _Row(
+        tokens=[int(x) for x in prompts[i]],
+        budget=budgets[i],
+        refs=tuple(refs[i]) if refs else (),
+        pending=[] if drafts is None or drafts[i] is None else [int(x) for x in drafts[i]],
+      )
+      for i in idx
     ]
-    for r, i in enumerate(idx):
+    for row, i in zip(rows, idx):
       known = None if draft_argmax is None else draft_argmax[i]
-      if known is not None and len(known) and not done[r]:
-        if len(known) > len(pending[r]):
+      if known is not None and len(known) and not row.done:
+        if len(known) > len(row.pending):
           raise ValueError(f"draft_argmax[{i}] is longer than drafts[{i}].")
-        _take(
-          known,
-          pending[r][: len(known) - 1],
-          r,
-          i,
-          gen,
-          rows,
-          pending,
-          done,
-          budgets,
-          tokenizer,
-          refs,
-        )
-    while not all(done):
-      guess: list[list[int]] = [[] for _ in idx]
+        row.take(known, row.pending[: len(known) - 1], tokenizer)
+    while not all(row.done for row in rows):
+      guess: list[list[int]] = [[] for _ in rows]
       if verify:
-        for r, i in enumerate(idx):
-          room = min(_K - 1, budgets[i] - len(gen[r]) - 1)
-          if done[r] or room <= 0:
+        for r, row in enumerate(rows):
+          room = min(_K - 1, row.budget - len(row.gen) - 1)
+          if row.done or room <= 0:
             continue
-          if not pending[r] and lookup:
-            pending[r] = _lookup(rows[r], room)
-          guess[r] = pending[r][:room]
-      top = np.asarray(scorer(_batch(rows, guess, batch_size, t))["argmax"])
+          if not row.pending and lookup:
+            row.pending = _lookup(row.tokens, room)
+          guess[r] = row.pending[:room]
+      top = np.asarray(scorer(_batch([row.tokens for row in rows], guess, batch_size, t))["argmax"])
       calls += 1
-      for r, i in enumerate(idx):
-        if not done[r]:
-          _take(top[r], guess[r], r, i, gen, rows, pending, done, budgets, tokenizer, refs)
-    for r, i in enumerate(idx):
-      out[i] = (np.asarray(gen[r], np.int32), tokenizer.decode(gen[r]))
+      for r, row in enumerate(rows):
+        if not row.done:
+          row.take(top[r], guess[r], tokenizer)
+    for row, i in zip(rows, idx):
+      out[i] = (np.asarray(row.gen, np.int32), tokenizer.decode(row.gen))
     # Decoding is slow (a full forward per call): say how far it got.
     logging.info(
       "greedy decoding: %d of %d prompts at width %d, %d forwards, %.1f s",
@@ -140,34 +132,48 @@ def greedy_decode(
   return out
 
 
-def _take(top, guess, r, i, gen, rows, pending, done, budgets, tokenizer, refs) -> None:
-  """Row r (prompt i) takes the greedy tokens one forward of row + guess gave
-  (top[j]: the argmax after guess[:j]): up to and including the first one that
-  differs from the guess, or until the row is done."""
-  before = len(gen[r])
-  for j in range(len(guess) + 1):
-    tok = int(top[j])
-    done[r] = _accept(tok, gen[r], rows[r], budgets[i], tokenizer, refs and refs[i])
-    if done[r] or j == len(guess) or tok != guess[j]:
-      break
-  # The rest of the draft still applies only if it held for all accepted.
-  s = len(gen[r]) - before
-  pending[r] = pending[r][s:] if pending[r][:s] == gen[r][before:] else []
+@dataclasses.dataclass
+class _Row:
+  """One prompt's decoding state: its tokens so far (prompt + decoded), the
+  decoded ones, the draft tokens not yet checked, and when it stops."""
 
+  tokens: list[int]
+  budget: int
+  refs: tuple[str, ...]
+  pending: list[int]
+  gen: list[int] = dataclasses.field(default_factory=list)
+  done: bool = dataclasses.field(init=False, default=False)
 
-def _accept(tok: int, gen: list[int], row: list[int], budget: int, tokenizer, refs) -> bool:
-  """Takes greedy token `tok` into the row; True if the row is done: EOS (not
-  kept), the budget reached, or every reference in the decoded text."""
-  if tok == tokenizer.eos_id:
-    return True
-  gen.append(tok)
-  row.append(tok)
-  if len(gen) >= budget:
-    return True
-  if refs:
-    text = tokenizer.decode(gen).lower()
-    return all(x.lower() in text for x in refs)
-  return False
+  def __post_init__(self):
+    self.done = self.budget <= 0
+
+  def take(self, top, guess: list[int], tokenizer) -> None:
+    """Takes the greedy tokens one forward of tokens + guess gave (top[j]: the
+    argmax after guess[:j]): up to and including the first one that differs
+    from the guess, or until the row is done."""
+    before = len(self.gen)
+    for j in range(len(guess) + 1):
+      tok = int(top[j])
+      self.done = self._accept(tok, tokenizer)
+      if self.done or j == len(guess) or tok != guess[j]:
+        break
+    # The rest of the draft still applies only if it held for all accepted.
+    s = len(self.gen) - before
+    self.pending = self.pending[s:] if self.pending[:s] == self.gen[before:] else []
+
+  def _accept(self, tok: int, tokenizer) -> bool:
+    """Takes greedy token `tok`; True if the row is done: EOS (not kept), the
+    budget reached, or every reference in the decoded text."""
+    if tok == tokenizer.eos_id:
+      return True
+    self.gen.append(tok)
+    self.tokens.append(tok)
+    if len(self.gen) >= self.budget:
+      return True
+    if self.refs:
+      text = tokenizer.decode(self.gen).lower()
+      return all(x.lower() in text for x in self.refs)
+    return False
 
 
 def _lookup(row: list[int], k: int) -> list[int]:

@@ -298,5 +298,9 @@ def test_hf_tokenizer_through_the_pipeline(tmp_path):
   tok = make_tokenizer("hf", path)
   assert batch["inputs"].max() < tok.vocab_size
   real = batch["segment_ids"] > 0
-  assert "alpha beta gamma" in tok.decode(batch["inputs"][0][real[0]])
+  # Which piece lands in row 0 depends on where tmp_path lies: the prepared
+  # records' order follows the corpus fingerprint, which hashes absolute paths
+  # (row 0 can be a 2-token document tail). So read every row.
+  text = "".join(tok.decode(row[keep]) for row, keep in zip(batch["inputs"], real))
+  assert "alpha beta gamma" in text
   assert (batch["inputs"][real] == tok.bos_id).sum() >= 1  # documents start with BOS

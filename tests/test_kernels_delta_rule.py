@@ -101,6 +101,38 @@ def test_packed_documents_equal_alone():
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_packed_documents_isolated_to_the_bit(per_channel):
+  """Changing one document (here: much faster decays, so its cumulative decay is
+  large) leaves every other document's outputs, final state and gradients equal
+  to the bit, also where they share a chunk with it."""
+  t = 37
+  seg = jnp.asarray(_packed(t))
+  args = [jnp.asarray(x, jnp.float32) for x in _inputs(t, per_channel)[:5]]
+  changed = list(args)
+  other = (jnp.arange(t) >= 9) & (jnp.arange(t) < 20)  # document 2 of row 0
+  other = (other[None, :] & (jnp.arange(B) == 0)[:, None]).reshape(
+    B, t, *([1] * (args[3].ndim - 2))
+  )
+  changed[3] = jnp.where(other, args[3] * 40.0 - 3.0, args[3])
+  changed[2] = jnp.where(other[..., :1] if per_channel else other[..., None], -args[2], args[2])
+  wo = jnp.asarray(np.random.default_rng(2).normal(size=(B, t, N, V)), jnp.float32)
+
+  def run(q, k, v, g, beta):
+    o, s = delta_rule(q, k, v, g, beta, segment_ids=seg, chunk_size=16)
+    return jnp.sum(o * wo), (o, s)
+
+  grad = jax.jit(jax.grad(run, argnums=(0, 1, 2, 3, 4), has_aux=True))
+  (ga, (oa, sa)), (gb, (ob, sb)) = grad(*args), grad(*changed)
+  keep = np.ones((B, t), bool)
+  keep[0, 9:20] = False
+  np.testing.assert_array_equal(np.asarray(oa)[keep], np.asarray(ob)[keep])
+  np.testing.assert_array_equal(sa, sb)  # row 0 ends in document 4, row 1 in padding
+  for x, y in zip(ga, gb):
+    np.testing.assert_array_equal(np.asarray(x)[keep], np.asarray(y)[keep])
+  assert np.abs(np.asarray(oa)[0, 9:20] - np.asarray(ob)[0, 9:20]).max() > 1e-2
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_transition(per_channel):
   t = 29
   q, k, v, g, beta, s0 = _inputs(t, per_channel, seed=3)

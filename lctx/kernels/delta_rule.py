@@ -108,6 +108,24 @@ def _unit_lower_solve(lower, rhs):
   return x
 
 
+def _cumsum_restarting(g, reset):
+  """Cumulative sum of g along axis 1 that restarts at every reset token.
+
+  Decays only ever enter as differences within one run, so a plain cumsum gives
+  the same values up to rounding; restarting makes them independent of the
+  other documents' decays to the bit (a segmented scan discards, not subtracts,
+  what came before), which is the packing guarantee.
+  """
+  r = reset.reshape(reset.shape + (1,) * (g.ndim - 2))
+  r = jnp.broadcast_to(r, g.shape)
+
+  def combine(a, b):
+    (sa, ra), (sb, rb) = a, b
+    return jnp.where(rb, sb, sa + sb), ra | rb
+
+  return jax.lax.associative_scan(combine, (g, r), axis=1)[0]
+
+
 def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
   """One chunk: state `[B, N, H, V]` in, (state out, o `[B, C, N, V]` or None).
 
@@ -130,10 +148,14 @@ def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
   to_end = (run == run[:, -1:])[:, :, None, None]  # token j reaches the chunk end
   keep = (run[:, -1] == 0)[:, None, None, None]  # the incoming state reaches the end
 
-  gcum = jnp.cumsum(g, axis=1)  # [B, C, N] or [B, C, N, H]
+  gcum = _cumsum_restarting(g, reset)  # [B, C, N] or [B, C, N, H]
   glast = gcum[:, -1:]
+  # Decay from token j to the chunk end, for the last run's tokens only: across a
+  # restart the difference has no meaning and could overflow exp.
+  ends = (run == run[:, -1:]).reshape(run.shape + (1,) * (gcum.ndim - 2))
+  tail = jnp.where(ends, glast - gcum, 0.0)
   if per_channel:
-    gam, gam_end = jnp.exp(gcum), jnp.exp(glast - gcum)  # [B, C, N, H]
+    gam, gam_end = jnp.exp(gcum), jnp.exp(tail)  # [B, C, N, H]
     diff = gcum[:, :, None] - gcum[:, None, :]  # [B, C(i), C(j), N, H]
 
     def pair(mask, a, b_):  # sum_h a_i b_j exp(G_i - G_j) over masked pairs
@@ -143,7 +165,7 @@ def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
 
     s_end = jnp.exp(glast[:, 0])[..., None]  # [B, N, H, 1]
   else:
-    gam, gam_end = jnp.exp(gcum)[..., None], jnp.exp(glast - gcum)[..., None]  # [B, C, N, 1]
+    gam, gam_end = jnp.exp(gcum)[..., None], jnp.exp(tail)[..., None]  # [B, C, N, 1]
     diff = gcum[:, :, None] - gcum[:, None, :]  # [B, C, C, N]
 
     def pair(mask, a, b_):

@@ -616,12 +616,15 @@ SPLASH_OFFLOAD = pytest.mark.xfail(
 
 
 def _with_kernels(cases):
+  """Both kernels per case; blockwise under `slow`: its compiles are most of this
+  test's time, and the TPU flagships run splash ('auto'). The held-out set below
+  checks blockwise too."""
   out = []
   for case in cases:
     for kernel in ("blockwise", "splash"):
-      marks = ()
+      marks = [pytest.mark.slow] if kernel == "blockwise" else []
       if "offload" in case[3]:
-        marks = BLOCKWISE_OFFLOAD if kernel == "blockwise" else SPLASH_OFFLOAD
+        marks.append(BLOCKWISE_OFFLOAD if kernel == "blockwise" else SPLASH_OFFLOAD)
       out.append(pytest.param(*case, kernel, marks=marks, id=f"{case[0]}-{case[1]}-{kernel}"))
   return out
 

@@ -94,6 +94,8 @@ class AttentionSetup:
   block_kv: int = 512
   kernel: str = "blockwise"
   head_chunks: int | None = None
+  block_q_bwd: int | None = None
+  block_kv_bwd: int | None = None
   fused_bwd: bool = True
   dq_partial_bytes: int = 1 << 30
 
@@ -135,9 +137,7 @@ def attention_buffer_bytes(
   qf, kf = head_chunk_fractions(dims, setup)
   n, k = n * qf, k * kf  # one UPipe stage's heads live at a time
   if setup.kernel == "splash":
-    # The fused backward's dq partials (splash_dq_partial_bytes) are not added:
-    # with them the usp splash compile check (tests/test_planner.py, tpu7x:2x2x1)
-    # read far over the compiler (docs/benchmarks.md); its peak lies elsewhere.
+    # The fused backward's dq partials are counted apart (dq_partials_bytes).
     return rows * _splash_bytes(dims, setup, co, n, k, t) * setup.dtype_bytes / 2
   if setup.strategy in ("none", "all_gather"):
     # The whole sequence's K/V, and the local queries' q/out/dout/dq.
@@ -180,27 +180,59 @@ def head_chunk_fractions(dims: AttentionDims, setup: AttentionSetup) -> tuple[fl
   return 1.0 / stages, min(1.0, w / kv_dev)
 
 
-def splash_dq_partial_bytes(dims: AttentionDims, setup, rows: int, n: float, t: float) -> float:
-  """The fused splash backward's dq partials (AttentionOptions.fused_bwd): one call
-  writes [kv_len / block_kv, *q.shape] in q's dtype, at most dq_partial_bytes
-  (lctx/kernels/splash_tiling.py bwd_tiles cuts bigger calls into pieces), for
-  reports; `attention_buffer_bytes` does not add it (see there). A shape
-  count, not fitted: one call's q and kv (ring / usp: per hop and sub-chunk, at
-  the default sub-chunking); 0 with the two-pass form."""
-  if not getattr(setup, "fused_bwd", True):
+def dq_partials_bytes(dims: AttentionDims, setup, rows: int = 1) -> float:
+  """Per-device bytes of the dq partials one fused splash backward call writes
+  (AttentionOptions.fused_bwd): [kv blocks, *q piece] in q's dtype, the kv
+  blocks of the backward's kv block (block_kv_bwd), the call cut into pieces
+  as the kernel cuts it (lctx/kernels/splash_tiling.py `bwd_tiles`: SMEM block
+  maps, then at most dq_partial_bytes). Live while that call runs: one
+  attention call's backward at a time. A shape count, not fitted: one call's
+  q and kv per strategy (ring / usp: per hop and sub-chunk at the default
+  sub-chunking, kv in the zigzag order's natural runs, the default load
+  balance for both); the head dim lane-padded in HBM. 0 with the two-pass
+  form or the blockwise kernel."""
+  if setup.kernel != "splash" or not getattr(setup, "fused_bwd", True):
     return 0.0
+  from lctx.kernels import splash_tiling as st  # pylint: disable=g-import-not-at-top
+  from lctx.kernels.token_order import TokenOrder  # pylint: disable=g-import-not-at-top
   from lctx.parallel.block_ops import ring_sub_chunks  # pylint: disable=g-import-not-at-top
 
-  c, seq = setup.axis("context"), setup.seq_len
-  if setup.strategy in ("none", "all_gather", "ulysses"):
-    q_rows, kv_len = t, seq  # ulysses: the whole sequence on n / c heads, as many bytes
-  else:  # ring / usp: per hop (usp: the ring group's chunk of N / u heads), in sub-chunks
-    local = seq / c if setup.strategy == "usp" else t
-    pieces = ring_sub_chunks(ContextOptions(), int(local))
-    q_rows, kv_len = t / pieces, local / pieces
-  q_bytes = rows * q_rows * n * lanes(dims.head_dim) * setup.dtype_bytes
-  blocks = max(1.0, kv_len / max(setup.block_kv, 128))
-  return min(float(getattr(setup, "dq_partial_bytes", 1 << 30)), blocks * q_bytes)
+  tp = setup.axis("tensor")
+  c, u, seq = setup.axis("context"), setup.axis("context_ulysses"), setup.seq_len
+  qf, _ = head_chunk_fractions(dims, setup)
+  heads = dims.num_heads / tp * qf
+  if setup.strategy in ("none", "all_gather"):
+    q_len, kv_len = seq // (c * u), seq
+  elif setup.strategy == "ulysses":
+    q_len, kv_len, heads = seq, seq, heads / c  # the whole sequence on N / c heads
+  else:  # ring / usp (a ring group's chunk of N / u heads): per hop, in sub-chunks
+    local = seq // c
+    if setup.strategy == "usp":
+      heads /= u
+    pieces = ring_sub_chunks(ContextOptions(), local)
+    q_len = kv_len = local // pieces
+    kv_len = min(kv_len, seq // (2 * c))  # splash_tiling.kv_run: zigzag's natural runs
+  block_q, block_kv = setup.block_q, setup.block_kv
+  cfg = st.SplashCall(
+    causal=True,
+    window=None,
+    scale=1.0,
+    block_q=block_q,
+    block_kv=block_kv,
+    block_q_bwd=getattr(setup, "block_q_bwd", None) or block_q,
+    block_kv_bwd=getattr(setup, "block_kv_bwd", None) or block_kv,
+    order=TokenOrder(max(int(q_len), int(kv_len))),
+    interpret=False,
+    fused_bwd=True,
+    dq_partial_bytes=int(getattr(setup, "dq_partial_bytes", 1 << 30)),
+  )
+  # The kernel cuts on its own q row (unpadded head dim, whole heads); HBM
+  # holds the head dim lane-padded.
+  kernel_row = rows * max(1, round(heads)) * dims.head_dim * setup.dtype_bytes
+  tq, ts = st.bwd_tiles(cfg, int(q_len), int(kv_len), kernel_row)
+  return float(
+    st.dq_partials_bytes(cfg, tq, ts, rows * heads * lanes(dims.head_dim) * setup.dtype_bytes)
+  )
 
 
 def _splash_bytes(

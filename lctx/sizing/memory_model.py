@@ -72,6 +72,7 @@ from lctx.parallel.attention_memory import (  # noqa: F401  (re-exported: one de
   KERNELS,
   STRATEGIES,
   attention_buffer_bytes,
+  dq_partials_bytes,
   fitted_coefficients,
   head_chunk_fractions,
   lanes,
@@ -139,6 +140,8 @@ class Setup:
     dtype_bytes, param_bytes: activation (compute) and parameter bytes.
     loss_chunk_size, mlp_chunk_size: tokens per loss / MLP chunk (None: whole).
     block_q, block_kv: attention kernel blocks (the per-block f32 scratch).
+    block_q_bwd, block_kv_bwd: the backward's blocks (None: the forward's);
+      the fused splash backward writes one dq partial per kv block.
     kernel: the attention kernel the step runs, 'blockwise' (pure JAX: f32
       score tiles in HBM) or 'splash' (TPU Pallas: tiles in VMEM; lane-wide
       f32 softmax statistics in HBM); see KERNELS and `resolve_kernel`.
@@ -146,8 +149,7 @@ class Setup:
       see head_chunk_fractions); None: all heads at once.
     fused_bwd: splash's fused dq+dkv backward (AttentionOptions.fused_bwd):
       5 matmuls per block pair instead of 7, and dq partials of at most
-      dq_partial_bytes while it runs (attention_memory.splash_dq_partial_bytes,
-      not added to the total: the compile checks do not show them at the peak).
+      dq_partial_bytes while one call's backward runs (Breakdown.dq_partials).
   """
 
   strategy: str
@@ -167,6 +169,8 @@ class Setup:
   block_kv: int = 512
   kernel: str = "blockwise"
   head_chunks: int | None = None
+  block_q_bwd: int | None = None
+  block_kv_bwd: int | None = None
   fused_bwd: bool = True
   dq_partial_bytes: int = 1 << 30
 
@@ -319,7 +323,10 @@ class Breakdown:
   chunk of logits). The two phases are added, not maxed: memory_analysis sums
   the temporary slots of the whole program, and the TPU compiles
   (scripts/fit_memory_model.py) keep the logits' slots apart from the layer's.
-  `peak_phase` names the larger phase.
+  `peak_phase` names the larger phase. `dq_partials`: the fused splash
+  backward's dq partials, live while one attention call's backward runs: with
+  the attention buffers, in place of the MLP chunk's (the layer's MLP backward
+  is not running then), so the layer phase holds the larger of the two.
   """
 
   parameters: int
@@ -335,6 +342,7 @@ class Breakdown:
   host: int
   embeddings: int = 0
   linear_buffers: int = 0
+  dq_partials: int = 0
 
   STATE_FIELDS = (
     "parameters",
@@ -350,10 +358,12 @@ class Breakdown:
 
   @property
   def layer_phase(self) -> int:
-    """Gathered weights, the layer's residual stream, its MLP's and attention's buffers
-    (or a linear layer's, where larger)."""
-    rest = sum(getattr(self, f) for f in self.LAYER_FIELDS if f != "attention_buffers")
-    return rest + max(self.attention_buffers, self.linear_buffers)
+    """Gathered weights, the layer's residual stream, its MLP's and attention's
+    buffers (or a linear layer's, where larger); the dq partials where they
+    outgrow the MLP chunk's buffers."""
+    base = self.gathered_weights + self.layer_backward
+    attention = self.attention_buffers + max(self.mlp_backward, self.dq_partials)
+    return base + max(attention, self.linear_buffers + self.mlp_backward)
 
   @property
   def peak_phase(self) -> str:
@@ -372,7 +382,14 @@ class Breakdown:
   def as_dict(self) -> dict[str, Any]:
     out: dict[str, Any] = {
       f: getattr(self, f)
-      for f in (*self.STATE_FIELDS, *self.LAYER_FIELDS, "linear_buffers", "loss", "host")
+      for f in (
+        *self.STATE_FIELDS,
+        *self.LAYER_FIELDS,
+        "dq_partials",
+        "linear_buffers",
+        "loss",
+        "host",
+      )
     }
     out["peak_phase"] = self.peak_phase
     out["total"] = self.total
@@ -519,9 +536,10 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   act = a / 2
   layer = act * tokens * co["layer_bytes_per_d"] * dims.d_model
   mlp = act * b * min(t, setup.mlp_chunk_size or t) * co["mlp_bytes_per_f"] * dims.mlp_dim / tp
-  attention = 0.0
+  attention = dq_partials = 0.0
   if dims.attention_layers:
     attention = attention_buffer_bytes(dims, setup, rows=b, coefficients=co)
+    dq_partials = dq_partials_bytes(dims, setup, rows=b)
   # Offloaded layer inputs with per-layer remat (groups of 1): the compiles
   # keep more of the attention's buffers live at once (the schedule around the
   # host transfers: the ring's f32 accumulators appear in more slots of the
@@ -547,6 +565,7 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
     layer_backward=int(layer + group_extra),
     mlp_backward=int(mlp),
     attention_buffers=int(attention),
+    dq_partials=int(dq_partials),
     loss=int(loss),
     host=int(tokens * saved_host + state_host),
     embeddings=int(embeddings),

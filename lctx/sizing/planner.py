@@ -167,7 +167,10 @@ def make_setup(
     block_kv=attention.block_kv,
     kernel=mm.resolve_kernel(attention.backend, platform),
     head_chunks=train.context_options.head_chunks if strategy in ("ulysses", "usp") else None,
+    block_q_bwd=attention.block_q_bwd,
+    block_kv_bwd=attention.block_kv_bwd,
     fused_bwd=attention.fused_bwd,
+    dq_partial_bytes=attention.dq_partial_bytes,
   )
 
 

@@ -140,6 +140,25 @@ def test_remat_groups_trade_saved_inputs_for_the_groups_carries():
       assert abs(extra - want) <= 2, (k, co, extra, want)
 
 
+def test_tensors_kept_inside_a_remat_group_count_one_groups_layers():
+  """A group's inner policy keeps its tensors only while that group's backward
+  runs (the group replays its forward from its one input): one group's layers
+  of them at a time, not every layer's. Hand count for long_v5p's in-group
+  route: the layer inputs offloaded one per group, each layer's attention
+  output (N x V bf16) and lse (N f32) kept on the device by the inner policy."""
+  tokens = (1 << 22) // 64
+  custom = (("layer_input", "offload"), ("attention_out", "device"), ("attention_lse", "device"))
+  kept = tokens * (32 * 128 * 2 + 32 * 4)  # one layer's attention output and lse
+  for k in (1, 2, 4):
+    model = {**LLAMA_8B, "remat_policy": "custom", "remat_custom": custom, "remat_group_size": k}
+    exp = _exp(model, seq_len=1 << 22)
+    setup = planner.make_setup(exp, strategy="ring", mesh={"context": 64}, remat_policy="custom")
+    bd = mm.estimate(planner.model_dims(exp.model), setup)
+    layers_held = 32 if k == 1 else k
+    assert bd.saved_activations == layers_held * kept, k
+    assert bd.host == 32 // k * tokens * 4096 * 2, k
+
+
 def test_loss_is_chunked_over_each_devices_tokens():
   """TrainConfig.loss_chunk_size is tokens per chunk per device (the trainer's
   shard_map over batch and sequence axes): the logits term grows with the chunk

@@ -279,9 +279,13 @@ def remat_saved_bytes_per_token(
   device_scale: float = 1.0,
   residual_scale: float | None = None,
   sizes=None,
+  part: str = "all",
 ) -> tuple[float, float]:
   """(device, host) bytes one layer keeps per token for the backward pass.
 
+  part: 'all', 'layer_input' (the saved layer inputs alone) or 'inner' (the
+  other kept tensors: with remat groups, what the inner policy keeps while the
+  group's backward runs, so one group's layers at a time; see `estimate`).
   With remat groups of k layers only one layer input in k is saved. The
   device bytes of the tagged tensors other than the layer input are
   multiplied by `device_scale` (COEFFICIENTS['saved_tensor_scale']: XLA keeps
@@ -298,6 +302,8 @@ def remat_saved_bytes_per_token(
   device = host = 0.0
   k = max(1, setup.remat_group_size)
   for name, where in remat_table(setup).items():
+    if part != "all" and (name == "layer_input") != (part == "layer_input"):
+      continue
     b = sizes(name) / (k if name == "layer_input" else 1)
     if where == "offload":
       host += b
@@ -491,24 +497,35 @@ def estimate(dims: ModelDims, setup: Setup, coefficients: Mapping[str, float] | 
   # Parameters, optimizer state, gradients: sharded over embed x tensor.
   params = math.ceil(dims.num_params / (setup.param_shards * tp))
 
-  # Saved activations across layers (device) and offloaded ones (host).
-  dev_tok, host_tok = remat_saved_bytes_per_token(
-    dims, setup, co["saved_tensor_scale"], co["residual_scale"]
-  )
-  saved_dev, saved_host = dims.attention_layers * dev_tok, dims.attention_layers * host_tok
+  # Saved activations across layers (device) and offloaded ones (host). The
+  # layer inputs are saved for every layer (one in k with groups of k); the
+  # other kept tensors too with groups of 1, but inside a remat group the inner
+  # policy keeps them only while that group's backward runs (the group replays
+  # its forward from its input): one group's layers at a time.
+  k = max(1, setup.remat_group_size)
+  inner_share = 1.0 if k == 1 else min(k, dims.num_layers) / dims.num_layers
+
+  def saved(layers: int, sizes=None) -> tuple[float, float]:
+    parts = [
+      remat_saved_bytes_per_token(
+        dims, setup, co["saved_tensor_scale"], co["residual_scale"], sizes=sizes, part=part
+      )
+      for part in ("layer_input", "inner")
+    ]
+    (in_dev, in_host), (rest_dev, rest_host) = parts
+    held = layers * inner_share
+    return layers * in_dev + held * rest_dev, layers * in_host + held * rest_host
+
+  saved_dev, saved_host = saved(dims.attention_layers)
   linear_buffers = 0.0
   if dims.linear_layers:
     from lctx.sizing import linear_layers as ll  # pylint: disable=g-import-not-at-top
 
-    lin_dev, lin_host = remat_saved_bytes_per_token(
-      dims,
-      setup,
-      co["saved_tensor_scale"],
-      co["residual_scale"],
-      sizes=lambda name: ll.tensor_bytes_per_token(name, dims.linear, tp, a),
+    lin_dev, lin_host = saved(
+      dims.linear_layers, sizes=lambda name: ll.tensor_bytes_per_token(name, dims.linear, tp, a)
     )
-    saved_dev += dims.linear_layers * lin_dev
-    saved_host += dims.linear_layers * lin_host
+    saved_dev += lin_dev
+    saved_host += lin_host
     linear_buffers = ll.linear_buffer_bytes(dims.linear, setup, rows=b, tokens=tokens)
 
   # A remat group of k layers recomputes its forward from its one saved input:

@@ -783,15 +783,12 @@ HELD_OUT = [
 # remat groups and head dim 128):
 # (topology, strategy, length, remat, kernel) -> planner vs compiled per device.
 # Blockwise: measured before splash's fused backward (whose compiles it does not
-# change). Splash: all but the remat-group case compiled again with the fused
-# backward, the planner counting its dq partials (Breakdown.dq_partials;
-# docs/benchmarks.md has the table); the remat-group case's figures are the
-# two-pass program's. 8-way all_gather on TPU7x holds more of the
-# whole-sequence K/V than the 4-way fit cases show, and splash with offloaded
-# layer inputs keeps more ring buffers live than the offload term counts; the
-# two fused-era misses (ulysses with remat 'none', usp on TPU7x) are not
-# isolated. The remat-group case is the one miss on the safe side (the planner
-# over); its cause is not isolated.
+# change). Splash: compiled again with the fused backward, the planner counting
+# its dq partials (Breakdown.dq_partials; docs/benchmarks.md has the table).
+# 8-way all_gather on TPU7x holds more of the whole-sequence K/V than the 4-way
+# fit cases show, and splash with offloaded layer inputs keeps more ring buffers
+# live than the offload term counts; the two fused-era misses (ulysses with
+# remat 'none', usp on TPU7x) are not isolated.
 HELD_OUT_MISSES = {
   ("v5p:2x2x1", "ulysses", 65536, "none", "splash"): (
     "fused backward: planner 5131.2 vs compiled 6949.4 MiB (-26.2%; 3299.7, -52.5%, "
@@ -808,10 +805,6 @@ HELD_OUT_MISSES = {
   ),
   ("tpu7x:2x2x1", "all_gather", 65536, "full", "splash"): (
     "fused backward: planner 2956.0 vs compiled 3806.4 MiB (-22.3%; two-pass: 1032.3 vs 1414.2)"
-  ),
-  ("v5p:2x2x1", "usp", 65536, "offload_layer_inputs/g2", "splash"): (
-    "two-pass backward: planner 1925.4 vs compiled 1657.5 MiB (+16.2%); not recompiled "
-    "with the fused backward (the planner's figure is unchanged)"
   ),
 }
 

@@ -33,6 +33,7 @@ LOCAL = {
   "gin/bench/maxtext_cpu_peer.gin",
   "gin/local_cpu_retrieval.gin",
   "gin/local_cpu_retrieval_windowed.gin",
+  "gin/local_cpu_retrieval_hybrid.gin",
   "gin/local_cpu_extension.gin",
   "gin/local_cpu_sft.gin",
 }

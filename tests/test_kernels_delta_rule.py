@@ -264,6 +264,14 @@ def test_default_chunk_values(per_channel):
   assert _rel(o, ro) < 1e-4 and _rel(s, rs) < 1e-4
 
 
+@pytest.mark.parametrize("chunk_size", [32, 37])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_large_chunks_match_float64_reference(per_channel, chunk_size):
+  """Chunks above the solve's squaring block (16 rows), inverted by halves: equal
+  halves (32 = 2 x 16) and unequal ones (37 = 18 + 19), values and gradients."""
+  _check_against_reference(37, per_channel, _packed(37), chunk_size=chunk_size)
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_two_level_scan_matches_float64_reference(per_channel):
   """37 packed tokens in chunks of 4: 10 chunks, scanned as 5 groups of 2."""

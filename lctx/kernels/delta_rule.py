@@ -92,12 +92,20 @@ def _to_chunks(x, c):
   return jnp.moveaxis(x.reshape(b, t // c, c, *x.shape[2:]), 1, 0)
 
 
+# Blocks up to this size are inverted by matmul squarings; larger ones by halves.
+_SOLVE_BLOCK = 16
+
+
 def _unit_lower_solve(lower, rhs):
   """Solves (I + lower) X = rhs for strictly lower-triangular `lower` `[..., C, C]`
-  with matmuls only: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)... (L is nilpotent,
-  L^C = 0), ceil(log2 C) squarings. XLA's CPU triangular solve runs on the
-  intra-op thread pool, which fake devices blocked at a collective can starve;
-  matmuls are also what TPUs run fast."""
+  with matmuls only. XLA's CPU triangular solve runs on the intra-op thread pool,
+  which fake devices blocked at a collective can starve; matmuls are also what
+  TPUs run fast. Up to `_SOLVE_BLOCK` rows: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
+  (L is nilpotent, L^C = 0), ceil(log2 C) squarings applied to rhs; above, rhs
+  times the inverse built by halves (`_unit_lower_inverse`): squarings of the
+  whole C x C matrix would cost C^3 log C a chunk, the halves about C^3."""
+  if lower.shape[-1] > _SOLVE_BLOCK:
+    return jnp.matmul(_unit_lower_inverse(lower), rhs, precision=_HI)
   x = rhs - jnp.matmul(lower, rhs, precision=_HI)
   power = lower
   c, span = lower.shape[-1], 2
@@ -106,6 +114,26 @@ def _unit_lower_solve(lower, rhs):
     x = x + jnp.matmul(power, x, precision=_HI)
     span *= 2
   return x
+
+
+def _unit_lower_inverse(lower):
+  """(I + lower)^-1 `[..., C, C]` for strictly lower-triangular `lower`, by halves:
+      [[I + A, 0], [B, I + D]]^-1 = [[A', 0], [-D' B A', D']],
+  A' = (I + A)^-1, D' = (I + D)^-1 (both halves in one call when they have the
+  same size); blocks up to `_SOLVE_BLOCK` rows by `_unit_lower_solve` on I."""
+  c = lower.shape[-1]
+  if c <= _SOLVE_BLOCK:
+    return _unit_lower_solve(lower, jnp.broadcast_to(jnp.eye(c, dtype=lower.dtype), lower.shape))
+  h = c // 2
+  a, d, b = lower[..., :h, :h], lower[..., h:, h:], lower[..., h:, :h]
+  if 2 * h == c:
+    both = _unit_lower_inverse(jnp.stack([a, d], axis=-3))  # [..., 2, H, H]
+    a_inv, d_inv = both[..., 0, :, :], both[..., 1, :, :]
+  else:
+    a_inv, d_inv = _unit_lower_inverse(a), _unit_lower_inverse(d)
+  b_inv = -jnp.matmul(d_inv, jnp.matmul(b, a_inv, precision=_HI), precision=_HI)
+  top = jnp.concatenate([a_inv, jnp.zeros(b.shape[:-2] + (h, c - h), lower.dtype)], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([b_inv, d_inv], axis=-1)], axis=-2)
 
 
 def _cumsum_restarting(g, reset):

@@ -51,13 +51,17 @@ def _hand_count_per_token(seq):
   attention_layer = 2 * attn_params + 2 * 3 * d * f + 2 * (seq / 2) * 4 * 128
   # GDN: q, k (2 heads of 64), v, z (4 of 64), out, b, a, dt_bias, A_log, norm, convs.
   gdn_params = d * (2 * 128 + 2 * 256) + 256 * d + 2 * d * 4 + 2 * 4 + 64 + 4 * (2 * 128 + 256)
-  # Delta rule per chunk (C = 64) and head, K = V = 64: k k^T, the solve's first
-  # product and 5 squarings, 3 state products, q k^T and its product with u.
+  # Delta rule per chunk (C = 64) and head, K = V = 64: k k^T; the solve: the
+  # inverse by halves (four 16-row blocks by 3 rounds of a squaring and a product,
+  # the two 32-row merges' and the 64-row merge's two off-diagonal products) and
+  # its product with [beta V | beta Gamma K]; 3 state products, q k^T and its
+  # product with u.
   c, k, v = 64, 64, 64
+  inverse = 4 * 3 * (2 + 2) * 16**3 + 2 * 2 * 2 * 16**3 + 2 * 2 * 32**3
   chunk = (
     2 * c * c * k
+    + inverse
     + 2 * c * c * (v + k)
-    + 5 * (2 * c**3 + 2 * c * c * (v + k))
     + 6 * c * k * v
     + 2 * c * c * k
     + 2 * c * c * v
@@ -81,12 +85,14 @@ def _exp(seq=SEQ, **model):
   )
 
 
+@pytest.mark.parametrize("c", [16, 64], ids=["squarings", "halves"])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
-def test_delta_rule_hlo_flops_are_the_hand_count(per_channel):
+def test_delta_rule_hlo_flops_are_the_hand_count(per_channel, c):
   """The chunk loops at their trip counts (9 chunks: 3 groups of 3) give the formula's
-  matmuls; KDA's per-channel decay makes XLA compute its two in-chunk pair
+  matmuls, with the in-chunk solve by squarings (16-token chunks) and by halves
+  (64); KDA's per-channel decay makes XLA compute its two in-chunk pair
   products (2 C^2 K each) as multiply-reduce, not as dots."""
-  b, t, n, h, v, c = 2, 16 * 9, 3, 8, 6, 16
+  b, t, n, h, v = 2, c * 9, 3, 8, 6
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
   g = s(b, t, n, h) if per_channel else s(b, t, n)
   fn = jax.jit(lambda *a: delta_rule(*a, chunk_size=c)[0])

@@ -120,10 +120,17 @@ def _unit_lower_inverse(lower):
   """(I + lower)^-1 `[..., C, C]` for strictly lower-triangular `lower`, by halves:
       [[I + A, 0], [B, I + D]]^-1 = [[A', 0], [-D' B A', D']],
   A' = (I + A)^-1, D' = (I + D)^-1 (both halves in one call when they have the
-  same size); blocks up to `_SOLVE_BLOCK` rows by `_unit_lower_solve` on I."""
+  same size); blocks up to `_SOLVE_BLOCK` rows by the squarings.
+  lctx.models.config.unit_lower_solve_flops counts its matmuls."""
   c = lower.shape[-1]
-  if c <= _SOLVE_BLOCK:
-    return _unit_lower_solve(lower, jnp.broadcast_to(jnp.eye(c, dtype=lower.dtype), lower.shape))
+  if c <= _SOLVE_BLOCK:  # the squarings on I: (I - L)(I + L^2)...
+    x = jnp.eye(c, dtype=lower.dtype) - lower
+    power, span = lower, 2
+    while span < c:
+      power = jnp.matmul(power, power, precision=_HI)
+      x = x + jnp.matmul(power, x, precision=_HI)
+      span *= 2
+    return x
   h = c // 2
   a, d, b = lower[..., :h, :h], lower[..., h:, h:], lower[..., h:, :h]
   if 2 * h == c:

@@ -55,8 +55,7 @@ def _final_state_flops(heads, key_dim, width, chunk) -> float:
   reads) with `width` state columns: k k^T, the in-chunk solve and the two state
   products (models.config.delta_rule_flops_per_token less q's terms)."""
   c, k, w = chunk, key_dim, width
-  rounds = max(0, math.ceil(math.log2(c)) - 1) if c > 1 else 0
-  per_chunk = 2 * c * c * k + 2 * c * c * (w + k) + rounds * (2 * c**3 + 2 * c * c * (w + k))
+  per_chunk = 2 * c * c * k + models_config.unit_lower_solve_flops(c, w + k)
   per_chunk += 2 * 2 * c * k * w
   return heads * per_chunk / c
 

@@ -24,9 +24,10 @@ positive), resets enter as masks (tokens i, j interact iff no reset lies in (j, 
 and the state and gate products are float32 inside a chunk; what crosses chunks
 per token (the inputs, the stacked output and their cotangents) keeps the inputs'
 dtype (v's for the output). The scan body is rematerialised
-(`jax.checkpoint`), and the scan runs in two levels (groups of about sqrt(T/C)
-chunks, each group rematerialised: `scan_group`), so the backward pass keeps
-about 2 sqrt(T/C) states rather than T/C, for one more forward of the scan:
+(`jax.checkpoint`), and from `TWO_LEVEL_MIN_CHUNKS` chunks on the scan runs in two
+levels (groups of about sqrt(T/C) chunks, each group rematerialised: `scan_group`),
+so the backward pass keeps about 2 sqrt(T/C) states rather than T/C, for one
+more forward of the scan:
 work is linear in T, memory linear in T for the inputs and their cotangents.
 
 Shapes (docs/contracts.md legend): B batch, T length, Q q/k heads, N value heads
@@ -250,7 +251,7 @@ def _scan(q, k, v, g, beta, segment_ids, initial_state, chunk_size, want_out):
     prevent_cse=False,
   )
   chunks = xs[0].shape[0]
-  group = scan_group(chunks)
+  group = scan_group(chunks) if chunks >= TWO_LEVEL_MIN_CHUNKS else 1
   if group > 1:
     # Two levels: the backward keeps one state per group of chunks and, while it
     # runs one group, that group's per-chunk states (its forward run again).
@@ -264,6 +265,11 @@ def _scan(q, k, v, g, beta, segment_ids, initial_state, chunk_size, want_out):
   if o is not None:
     o = jnp.moveaxis(o, 0, 1).reshape(b, t + pad, n, v.shape[3])[:, :t]
   return o, final
+
+
+# Fewer chunks scan in one level: two would keep at most 2 states fewer (4 chunks:
+# 2 groups + 2 chunks; 6: 3 + 2) for one more forward of the scan.
+TWO_LEVEL_MIN_CHUNKS = 8
 
 
 def scan_group(chunks: int) -> int:

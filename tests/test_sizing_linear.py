@@ -59,12 +59,7 @@ def _hand_count_per_token(seq):
   c, k, v = 64, 64, 64
   inverse = 4 * 3 * (2 + 2) * 16**3 + 2 * 2 * 2 * 16**3 + 2 * 2 * 32**3
   chunk = (
-    2 * c * c * k
-    + inverse
-    + 2 * c * c * (v + k)
-    + 6 * c * k * v
-    + 2 * c * c * k
-    + 2 * c * c * v
+    2 * c * c * k + inverse + 2 * c * c * (v + k) + 6 * c * k * v + 2 * c * c * k + 2 * c * c * v
   )
   linear_layer = 2 * gdn_params + 2 * 3 * d * f + 4 * chunk / c
   return attention_layer + 3 * linear_layer + 2 * d * e
@@ -104,6 +99,24 @@ def test_delta_rule_hlo_flops_are_the_hand_count(per_channel, c):
   if per_channel:
     want -= 2 * (2 * c * c * h) * n * b * t / c
   assert count["dot_flops"] == want
+
+
+def test_summary_hlo_flops_are_the_hand_count():
+  """The context-parallel summary scan (delta_rule_summary, GDN) runs the matmuls
+  summary_flops_per_token counts."""
+  import types  # pylint: disable=g-import-not-at-top
+
+  from lctx.kernels.delta_rule import delta_rule_summary  # pylint: disable=g-import-not-at-top
+
+  b, t, n, h, v, c = 2, 64 * 9, 3, 8, 6, 64
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  fn = jax.jit(lambda *a: delta_rule_summary(*a, chunk_size=c))
+  text = fn.lower(s(b, t, n, h), s(b, t, n, v), s(b, t, n), s(b, t, n)).compile().as_text()
+  count = hlo_flops.matmul_flops(text)
+  model = types.SimpleNamespace(
+    linear_num_value_heads=n, linear_key_head_dim=h, linear_value_head_dim=v
+  )
+  assert count["dot_flops"] == linear_layers.summary_flops_per_token(model, c) * b * t
 
 
 def test_model_flops_of_a_hybrid_are_the_hand_count():

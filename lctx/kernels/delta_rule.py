@@ -217,6 +217,8 @@ def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
   rhs_k = jnp.moveaxis(jnp.where(first, bet * k * gam, 0.0), 2, 1)  # [B, N, C, H]
   solved = _unit_lower_solve(lower, jnp.concatenate([rhs_v, rhs_k], axis=-1))
   w_v, w_k = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+  if state.shape[-1] > w_v.shape[-1]:  # a wider state: its extra columns read v = 0
+    w_v = jnp.pad(w_v, [(0, 0)] * 3 + [(0, state.shape[-1] - w_v.shape[-1])])
   u = w_v - jnp.einsum("bnch,bnhv->bncv", w_k, state, precision=_HI)  # new values [B, N, C, V]
 
   k_end = jnp.where(to_end, k * gam_end, 0.0)  # [B, C, N, H]
@@ -327,6 +329,27 @@ def delta_rule_transition(k, g, beta, *, segment_ids=None, chunk_size=64):
   return delta_rule_final_state(
     k, k, zeros, g, beta, segment_ids=segment_ids, initial_state=eye, chunk_size=chunk_size
   )
+
+
+def delta_rule_summary(k, v, g, beta, *, segment_ids=None, chunk_size=64):
+  """The affine map of a row's incoming state, S0 -> A @ S0 + C, as `[B, N, H, V + H]`
+  float32 [C | A]: C = `delta_rule_final_state` from 0, A = `delta_rule_transition`.
+
+  One scan from [0 | I] whose extra H state columns read v = 0: both share the
+  in-chunk decays, k k^T and solve, and no widened `[T, N, V + H]` v is formed.
+  k `[B, T, Q, H]`, v `[B, T, N, V]`, g, beta as in `delta_rule`.
+  """
+  _check(k, k, v, g, beta, segment_ids, None)
+  b, t, _, h = k.shape
+  n, v_dim = v.shape[2], v.shape[3]
+  start = jnp.concatenate(
+    [
+      jnp.zeros((b, n, h, v_dim), jnp.float32),
+      jnp.broadcast_to(jnp.eye(h, dtype=jnp.float32), (b, n, h, h)),
+    ],
+    axis=-1,
+  )
+  return _scan(k, k, v, g, beta, segment_ids, start, chunk_size, False)[1]
 
 
 def delta_rule_reference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64):

@@ -22,7 +22,7 @@ the compile checks, tests/test_sizing_linear.py, say how far they are):
 - FLOPs: the chunked delta rule's forward (models.config.linear_mixer_flops),
   its backward (2 x), the remat levels inside the kernel (+1 forward per level:
   two from lctx.kernels.delta_rule.TWO_LEVEL_MIN_CHUNKS chunks a piece), and
-  under context parallelism the summary pass (two final-state scans per piece,
+  under context parallelism the summary pass (one final-state scan per piece,
   `summary_flops_per_token`) with the same factors;
 - bytes: `state_exchange_bytes` per pass (forward, each recompute) and twice that
   in the backward (the compiler turns the gather's transpose into an all-reduce).
@@ -68,22 +68,17 @@ def _chunks_per_piece(setup) -> float:
   return setup.seq_len / max(1, setup.context_degree) / pieces / models_config.LINEAR_CHUNK
 
 
-def _final_state_flops(heads, key_dim, width, chunk) -> float:
-  """Forward FLOPs per token of the delta rule's final state alone (no output
-  reads) with `width` state columns: k k^T, the in-chunk solve and the two state
-  products (models.config.delta_rule_flops_per_token less q's terms)."""
-  c, k, w = chunk, key_dim, width
-  per_chunk = 2 * c * c * k + models_config.unit_lower_solve_flops(c, w + k)
-  per_chunk += 2 * 2 * c * k * w
-  return heads * per_chunk / c
-
-
 def summary_flops_per_token(model, chunk: int = models_config.LINEAR_CHUNK) -> float:
-  """Forward FLOPs per token of the context-parallel summary pass: the final state
-  over v from 0 (V columns) and of the v = 0 recurrence from I (K columns),
-  lctx/parallel/linear_context.py."""
+  """Forward FLOPs per token of the context-parallel summary pass
+  (lctx.kernels.delta_rule.delta_rule_summary: one scan, no output reads, over a
+  state of V + K columns whose K extra columns read v = 0): per chunk and head
+  k k^T, the in-chunk solve with [beta V | beta Gamma K] (V + K columns) and the
+  two state products (models.config.delta_rule_flops_per_token less q's terms)."""
   n, k, v = model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim
-  return _final_state_flops(n, k, v, chunk) + _final_state_flops(n, k, k, chunk)
+  c = chunk
+  per_chunk = 2 * c * c * k + models_config.unit_lower_solve_flops(c, v + k)
+  per_chunk += 2 * 2 * c * k * (v + k)
+  return n * per_chunk / c
 
 
 def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:

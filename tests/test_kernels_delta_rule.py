@@ -150,6 +150,38 @@ def test_transition(per_channel):
   assert np.all(np.asarray(a_reset) == 0)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_summary_is_final_state_and_transition(per_channel):
+  """delta_rule_summary's one scan [C | A] against the two it replaces (final
+  state from 0, transition), packed and with 2 q/k heads for 4 value heads,
+  values and gradients."""
+  from lctx.kernels.delta_rule import delta_rule_final_state, delta_rule_summary
+
+  t, n = 29, 4
+  q, k, v, g, beta, _ = _inputs(t, per_channel, seed=4, heads=n)
+  f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  k2 = f(k[:, :, ::2])  # Q = 2
+  seg = jnp.asarray(_packed(t))
+  w = jnp.asarray(np.random.default_rng(5).normal(size=(B, n, H, V + H)), jnp.float32)
+
+  def summary(k_, v_, g_, b_):
+    return delta_rule_summary(k_, v_, g_, b_, segment_ids=seg, chunk_size=8)
+
+  def two_scans(k_, v_, g_, b_):
+    c = delta_rule_final_state(k_, k_, v_, g_, b_, segment_ids=seg, chunk_size=8)
+    a = delta_rule_transition(k_, g_, b_, segment_ids=seg, chunk_size=8)
+    return jnp.concatenate([c, a], axis=-1)
+
+  args = (k2, f(v), f(g * 0.05), f(beta))
+  got, want = jax.jit(summary)(*args), jax.jit(two_scans)(*args)
+  assert got.shape == (B, n, H, V + H) and _rel(got, want) < 1e-5
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a) * w)  # noqa: E731
+  g_got = jax.jit(jax.grad(loss(summary), (0, 1, 2, 3)))(*args)
+  g_want = jax.jit(jax.grad(loss(two_scans), (0, 1, 2, 3)))(*args)
+  for name, x, y in zip(["k", "v", "g", "beta"], g_got, g_want):
+    assert _rel(x, y) < 1e-5, name
+
+
 # ----------------------------------------------------------------------------
 # Against transformers' torch fallbacks
 # ----------------------------------------------------------------------------
@@ -262,6 +294,14 @@ def test_default_chunk_values(per_channel):
     ro, rs = np.asarray(ro), np.asarray(rs)
   o, s = delta_rule(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g * 0.1, beta)))
   assert _rel(o, ro) < 1e-4 and _rel(s, rs) < 1e-4
+
+
+@pytest.mark.parametrize("chunk_size", [32, 37])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_large_chunks_match_float64_reference(per_channel, chunk_size):
+  """Chunks above the solve's squaring block (16 rows), inverted by halves: equal
+  halves (32 = 2 x 16) and unequal ones (37 = 18 + 19), values and gradients."""
+  _check_against_reference(37, per_channel, _packed(37), chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])

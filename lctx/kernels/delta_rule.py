@@ -24,9 +24,10 @@ positive), resets enter as masks (tokens i, j interact iff no reset lies in (j, 
 and the state and gate products are float32 inside a chunk; what crosses chunks
 per token (the inputs, the stacked output and their cotangents) keeps the inputs'
 dtype (v's for the output). The scan body is rematerialised
-(`jax.checkpoint`), and the scan runs in two levels (groups of about sqrt(T/C)
-chunks, each group rematerialised: `scan_group`), so the backward pass keeps
-about 2 sqrt(T/C) states rather than T/C, for one more forward of the scan:
+(`jax.checkpoint`), and from `TWO_LEVEL_MIN_CHUNKS` chunks on the scan runs in two
+levels (groups of about sqrt(T/C) chunks, each group rematerialised: `scan_group`),
+so the backward pass keeps about 2 sqrt(T/C) states rather than T/C, for one
+more forward of the scan:
 work is linear in T, memory linear in T for the inputs and their cotangents.
 
 Shapes (docs/contracts.md legend): B batch, T length, Q q/k heads, N value heads
@@ -92,12 +93,20 @@ def _to_chunks(x, c):
   return jnp.moveaxis(x.reshape(b, t // c, c, *x.shape[2:]), 1, 0)
 
 
+# Blocks up to this size are inverted by matmul squarings; larger ones by halves.
+_SOLVE_BLOCK = 16
+
+
 def _unit_lower_solve(lower, rhs):
   """Solves (I + lower) X = rhs for strictly lower-triangular `lower` `[..., C, C]`
-  with matmuls only: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)... (L is nilpotent,
-  L^C = 0), ceil(log2 C) squarings. XLA's CPU triangular solve runs on the
-  intra-op thread pool, which fake devices blocked at a collective can starve;
-  matmuls are also what TPUs run fast."""
+  with matmuls only. XLA's CPU triangular solve runs on the intra-op thread pool,
+  which fake devices blocked at a collective can starve; matmuls are also what
+  TPUs run fast. Up to `_SOLVE_BLOCK` rows: (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
+  (L is nilpotent, L^C = 0), ceil(log2 C) squarings applied to rhs; above, rhs
+  times the inverse built by halves (`_unit_lower_inverse`): squarings of the
+  whole C x C matrix would cost C^3 log C a chunk, the halves about C^3."""
+  if lower.shape[-1] > _SOLVE_BLOCK:
+    return jnp.matmul(_unit_lower_inverse(lower), rhs, precision=_HI)
   x = rhs - jnp.matmul(lower, rhs, precision=_HI)
   power = lower
   c, span = lower.shape[-1], 2
@@ -106,6 +115,33 @@ def _unit_lower_solve(lower, rhs):
     x = x + jnp.matmul(power, x, precision=_HI)
     span *= 2
   return x
+
+
+def _unit_lower_inverse(lower):
+  """(I + lower)^-1 `[..., C, C]` for strictly lower-triangular `lower`, by halves:
+      [[I + A, 0], [B, I + D]]^-1 = [[A', 0], [-D' B A', D']],
+  A' = (I + A)^-1, D' = (I + D)^-1 (both halves in one call when they have the
+  same size); blocks up to `_SOLVE_BLOCK` rows by the squarings.
+  lctx.models.config.unit_lower_solve_flops counts its matmuls."""
+  c = lower.shape[-1]
+  if c <= _SOLVE_BLOCK:  # the squarings on I: (I - L)(I + L^2)...
+    x = jnp.eye(c, dtype=lower.dtype) - lower
+    power, span = lower, 2
+    while span < c:
+      power = jnp.matmul(power, power, precision=_HI)
+      x = x + jnp.matmul(power, x, precision=_HI)
+      span *= 2
+    return x
+  h = c // 2
+  a, d, b = lower[..., :h, :h], lower[..., h:, h:], lower[..., h:, :h]
+  if 2 * h == c:
+    both = _unit_lower_inverse(jnp.stack([a, d], axis=-3))  # [..., 2, H, H]
+    a_inv, d_inv = both[..., 0, :, :], both[..., 1, :, :]
+  else:
+    a_inv, d_inv = _unit_lower_inverse(a), _unit_lower_inverse(d)
+  b_inv = -jnp.matmul(d_inv, jnp.matmul(b, a_inv, precision=_HI), precision=_HI)
+  top = jnp.concatenate([a_inv, jnp.zeros(b.shape[:-2] + (h, c - h), lower.dtype)], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([b_inv, d_inv], axis=-1)], axis=-2)
 
 
 def _cumsum_restarting(g, reset):
@@ -181,6 +217,8 @@ def _chunk_step(state, xs, *, per_channel: bool, want_out: bool):
   rhs_k = jnp.moveaxis(jnp.where(first, bet * k * gam, 0.0), 2, 1)  # [B, N, C, H]
   solved = _unit_lower_solve(lower, jnp.concatenate([rhs_v, rhs_k], axis=-1))
   w_v, w_k = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+  if state.shape[-1] > w_v.shape[-1]:  # a wider state: its extra columns read v = 0
+    w_v = jnp.pad(w_v, [(0, 0)] * 3 + [(0, state.shape[-1] - w_v.shape[-1])])
   u = w_v - jnp.einsum("bnch,bnhv->bncv", w_k, state, precision=_HI)  # new values [B, N, C, V]
 
   k_end = jnp.where(to_end, k * gam_end, 0.0)  # [B, C, N, H]
@@ -215,7 +253,7 @@ def _scan(q, k, v, g, beta, segment_ids, initial_state, chunk_size, want_out):
     prevent_cse=False,
   )
   chunks = xs[0].shape[0]
-  group = scan_group(chunks)
+  group = scan_group(chunks) if chunks >= TWO_LEVEL_MIN_CHUNKS else 1
   if group > 1:
     # Two levels: the backward keeps one state per group of chunks and, while it
     # runs one group, that group's per-chunk states (its forward run again).
@@ -229,6 +267,11 @@ def _scan(q, k, v, g, beta, segment_ids, initial_state, chunk_size, want_out):
   if o is not None:
     o = jnp.moveaxis(o, 0, 1).reshape(b, t + pad, n, v.shape[3])[:, :t]
   return o, final
+
+
+# Fewer chunks scan in one level: two would keep at most 2 states fewer (4 chunks:
+# 2 groups + 2 chunks; 6: 3 + 2) for one more forward of the scan.
+TWO_LEVEL_MIN_CHUNKS = 8
 
 
 def scan_group(chunks: int) -> int:
@@ -286,6 +329,27 @@ def delta_rule_transition(k, g, beta, *, segment_ids=None, chunk_size=64):
   return delta_rule_final_state(
     k, k, zeros, g, beta, segment_ids=segment_ids, initial_state=eye, chunk_size=chunk_size
   )
+
+
+def delta_rule_summary(k, v, g, beta, *, segment_ids=None, chunk_size=64):
+  """The affine map of a row's incoming state, S0 -> A @ S0 + C, as `[B, N, H, V + H]`
+  float32 [C | A]: C = `delta_rule_final_state` from 0, A = `delta_rule_transition`.
+
+  One scan from [0 | I] whose extra H state columns read v = 0: both share the
+  in-chunk decays, k k^T and solve, and no widened `[T, N, V + H]` v is formed.
+  k `[B, T, Q, H]`, v `[B, T, N, V]`, g, beta as in `delta_rule`.
+  """
+  _check(k, k, v, g, beta, segment_ids, None)
+  b, t, _, h = k.shape
+  n, v_dim = v.shape[2], v.shape[3]
+  start = jnp.concatenate(
+    [
+      jnp.zeros((b, n, h, v_dim), jnp.float32),
+      jnp.broadcast_to(jnp.eye(h, dtype=jnp.float32), (b, n, h, h)),
+    ],
+    axis=-1,
+  )
+  return _scan(k, k, v, g, beta, segment_ids, start, chunk_size, False)[1]
 
 
 def delta_rule_reference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64):

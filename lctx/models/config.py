@@ -663,6 +663,31 @@ def linear_layer_params(c: ModelConfig) -> int:
 LINEAR_CHUNK = 64  # lctx.kernels.delta_rule's default chunk (tokens)
 
 
+SOLVE_BLOCK = 16  # lctx.kernels.delta_rule._SOLVE_BLOCK
+
+
+def _lower_inverse_flops(c: int) -> float:
+  """Matmul FLOPs of lctx.kernels.delta_rule._unit_lower_inverse on one C x C
+  block: up to SOLVE_BLOCK rows (ceil(log2 C) - 1) rounds of 2 C^3 (the squaring)
+  + 2 C^3 (the product); above, both halves' and the off-diagonal block's
+  2 (C-h) h^2 + 2 (C-h)^2 h."""
+  if c <= SOLVE_BLOCK:
+    return max(0, math.ceil(math.log2(c)) - 1) * 4 * c**3 if c > 1 else 0
+  h = c // 2
+  return _lower_inverse_flops(h) + _lower_inverse_flops(c - h) + 2 * (c - h) * h * c
+
+
+def unit_lower_solve_flops(c: int, width: int) -> float:
+  """Matmul FLOPs of lctx.kernels.delta_rule._unit_lower_solve on one C x C block
+  with `width` right-hand columns: up to SOLVE_BLOCK rows 2 C^2 W plus
+  (ceil(log2 C) - 1) squarings of 2 C^3 + 2 C^2 W; above, the inverse by halves
+  and one 2 C^2 W product."""
+  if c > SOLVE_BLOCK:
+    return _lower_inverse_flops(c) + 2 * c * c * width
+  rounds = max(0, math.ceil(math.log2(c)) - 1) if c > 1 else 0
+  return 2 * c * c * width + rounds * (2 * c**3 + 2 * c * c * width)
+
+
 def delta_rule_flops_per_token(
   heads: int, key_dim: int, value_dim: int, chunk: int = LINEAR_CHUNK
 ) -> float:
@@ -670,15 +695,13 @@ def delta_rule_flops_per_token(
   lctx.kernels.delta_rule computes it, for `heads` (value) heads of key dim K and
   value dim V in chunks of C tokens. Per chunk and head: the strictly lower
   k k^T 2C^2 K; the in-chunk solve (I + L) X = [beta V | beta Gamma K] by
-  matmuls, 2C^2 (V + K) plus (ceil(log2 C) - 1) squarings of 2C^3 + 2C^2 (V + K);
-  the state read, update and output read, 3 x 2CKV; the in-chunk q k^T 2C^2 K
-  and its product with the new values 2C^2 V. Elementwise work is not counted."""
+  matmuls (`unit_lower_solve_flops` with V + K columns); the state read, update
+  and output read, 3 x 2CKV; the in-chunk q k^T 2C^2 K and its product with the
+  new values 2C^2 V. Elementwise work is not counted."""
   c, k, v = chunk, key_dim, value_dim
-  rounds = max(0, math.ceil(math.log2(c)) - 1) if c > 1 else 0
   per_chunk = (
     2 * c * c * k
-    + 2 * c * c * (v + k)
-    + rounds * (2 * c**3 + 2 * c * c * (v + k))
+    + unit_lower_solve_flops(c, v + k)
     + 3 * 2 * c * k * v
     + 2 * c * c * k
     + 2 * c * c * v

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from lctx.errors import ConfigError
 from lctx.kernels.delta_rule import delta_rule as delta_rule_kernel
-from lctx.kernels.delta_rule import delta_rule_final_state, delta_rule_transition
+from lctx.kernels.delta_rule import delta_rule_summary
 from lctx.kernels.shard_typing import varying_like
 from lctx.kernels.short_conv import short_conv as short_conv_kernel
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
@@ -149,27 +149,11 @@ def _delta_local(q, k, v, g, beta, seg, *, seq_axes, table, chunk_size):
   cut = lambda x, h: x[:, h * lp : (h + 1) * lp]  # noqa: E731
   b, _, _, h_dim = q.shape
   n, v_dim = v.shape[2], v.shape[3]
-  # A piece's map final(S0) = A S0 + C, stored as [C | A]: C is the final state
-  # from 0, A the final state of the v = 0 recurrence from I. Two scans rather
-  # than one over [v | 0] from [0 | I]: the widened v and its cotangent would be
-  # [T, N, V + H] arrays per layer; the zeros here are constants.
+  # A piece's map final(S0) = A S0 + C, stored as [C | A] (one scan: the kernel's
+  # delta_rule_summary).
   summaries = [
-    jnp.concatenate(
-      [
-        delta_rule_final_state(
-          cut(q, i),
-          cut(k, i),
-          cut(v, i),
-          cut(g, i),
-          cut(beta, i),
-          segment_ids=cut(seg, i),
-          chunk_size=chunk_size,
-        ),
-        delta_rule_transition(
-          cut(k, i), cut(g, i), cut(beta, i), segment_ids=cut(seg, i), chunk_size=chunk_size
-        ),
-      ],
-      axis=-1,
+    delta_rule_summary(
+      cut(k, i), cut(v, i), cut(g, i), cut(beta, i), segment_ids=cut(seg, i), chunk_size=chunk_size
     )
     for i in range(n_p)
   ]

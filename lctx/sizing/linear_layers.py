@@ -14,13 +14,15 @@ the compile checks, tests/test_sizing_linear.py, say how far they are):
   (N V), the conv outputs of q and k (the L2 norm's input), the norms' f32 input
   and the SwiGLU's, as for attention;
 - the layer's backward (`linear_buffer_bytes`): the delta rule's inputs and their
-  cotangents per token in the compute dtype, g and beta and theirs in f32, the two-level scan's kept chunk states (about
-  2 sqrt(T / C) of [N, K, V] f32, and as many [N, K, V] and [N, K, K] ones for
+  cotangents per token in the compute dtype, g and beta and theirs in f32, the chunk scan's kept chunk states (T / C
+  of [N, K, V] f32 in one level, about 2 sqrt(T / C) in two, and as many
+  [N, K, V] and [N, K, K] ones for
   the context-parallel summary pass), the all-gathered summaries of every piece and
   their cotangent (O(devices): lctx/parallel/linear_context.py);
 - FLOPs: the chunked delta rule's forward (models.config.linear_mixer_flops),
-  its backward (2 x), the two remat levels inside the kernel (+2 forwards), and
-  under context parallelism the summary pass (two final-state scans per piece,
+  its backward (2 x), the remat levels inside the kernel (+1 forward per level:
+  two from lctx.kernels.delta_rule.TWO_LEVEL_MIN_CHUNKS chunks a piece), and
+  under context parallelism the summary pass (one final-state scan per piece,
   `summary_flops_per_token`) with the same factors;
 - bytes: `state_exchange_bytes` per pass (forward, each recompute) and twice that
   in the backward (the compiler turns the gather's transpose into an all-reduce).
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+from lctx.kernels.delta_rule import TWO_LEVEL_MIN_CHUNKS, scan_group
 from lctx.models import config as models_config
 from lctx.parallel.linear_context import state_exchange_bytes
 
@@ -43,30 +46,39 @@ def linear_layers(model) -> int:
   return sum(t == "linear_attention" for t in getattr(model, "layer_types", ()) or ())
 
 
+def _scan_levels(chunks: float) -> int:
+  """Levels of the delta rule's chunk scan (lctx.kernels.delta_rule: one below
+  TWO_LEVEL_MIN_CHUNKS chunks, or where no group divides them; else two)."""
+  if chunks < TWO_LEVEL_MIN_CHUNKS or chunks != int(chunks):
+    return 1
+  return 2 if scan_group(int(chunks)) > 1 else 1
+
+
 def _scan_states(chunks: float) -> float:
-  """States the two-level scan keeps in its backward: groups + one group's chunks."""
-  if chunks <= 1:
-    return 1.0
+  """States the chunk scan keeps in its backward: one per chunk in one level;
+  groups + one group's chunks in two."""
+  if _scan_levels(chunks) == 1:
+    return max(1.0, chunks)
   return 2.0 * math.sqrt(chunks)
 
 
-def _final_state_flops(heads, key_dim, width, chunk) -> float:
-  """Forward FLOPs per token of the delta rule's final state alone (no output
-  reads) with `width` state columns: k k^T, the in-chunk solve and the two state
-  products (models.config.delta_rule_flops_per_token less q's terms)."""
-  c, k, w = chunk, key_dim, width
-  rounds = max(0, math.ceil(math.log2(c)) - 1) if c > 1 else 0
-  per_chunk = 2 * c * c * k + 2 * c * c * (w + k) + rounds * (2 * c**3 + 2 * c * c * (w + k))
-  per_chunk += 2 * 2 * c * k * w
-  return heads * per_chunk / c
+def _chunks_per_piece(setup) -> float:
+  """Chunks of one row's piece of the sequence on one device."""
+  pieces = 2 if setup.strategy in ("ring", "usp") and setup.axis("context") > 1 else 1
+  return setup.seq_len / max(1, setup.context_degree) / pieces / models_config.LINEAR_CHUNK
 
 
 def summary_flops_per_token(model, chunk: int = models_config.LINEAR_CHUNK) -> float:
-  """Forward FLOPs per token of the context-parallel summary pass: the final state
-  over v from 0 (V columns) and of the v = 0 recurrence from I (K columns),
-  lctx/parallel/linear_context.py."""
+  """Forward FLOPs per token of the context-parallel summary pass
+  (lctx.kernels.delta_rule.delta_rule_summary: one scan, no output reads, over a
+  state of V + K columns whose K extra columns read v = 0): per chunk and head
+  k k^T, the in-chunk solve with [beta V | beta Gamma K] (V + K columns) and the
+  two state products (models.config.delta_rule_flops_per_token less q's terms)."""
   n, k, v = model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim
-  return _final_state_flops(n, k, v, chunk) + _final_state_flops(n, k, k, chunk)
+  c = chunk
+  per_chunk = 2 * c * c * k + models_config.unit_lower_solve_flops(c, v + k)
+  per_chunk += 2 * 2 * c * k * (v + k)
+  return n * per_chunk / c
 
 
 def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:
@@ -130,9 +142,10 @@ def flops_per_token(model, setup, kept: set[str]) -> dict[str, float]:
   if not layers:
     return {"extra": 0.0, "recompute": 0.0}
   mixer = models_config.linear_mixer_flops(model)
-  extra = 2 * mixer  # the chunk body's and the group's rematerialised forwards
+  levels = _scan_levels(_chunks_per_piece(setup))
+  extra = levels * mixer  # the chunk body's (and the group's) rematerialised forwards
   if setup.context_degree > 1:
-    extra += 5 * summary_flops_per_token(model)  # forward, two remat levels, backward
+    extra += (3 + levels) * summary_flops_per_token(model)  # forward, remat levels, backward
   d, hq, hv = model.d_model, model.linear_num_key_heads, model.linear_num_value_heads
   k, v = model.linear_key_head_dim, model.linear_value_head_dim
   recompute = 0.0

@@ -26,7 +26,7 @@ hands them to the same `hardware.step_time`:
   passes K/V round the ring (and dK/dV with them in the backward); usp both on
   its sub-axes. Recomputed attention repeats its forward collectives.
 - linear-attention layers (hybrids; lctx/sizing/linear_layers.py): the model's
-  figure counts their chunked delta rule; beyond it the kernel's two remat levels,
+  figure counts their chunked delta rule; beyond it the kernel's remat levels (one or two),
   the context-parallel summary pass, the forward the layer's remat redoes, and
   their state exchange and conv halos (forward passes once, backward twice).
 - host bytes: what an offloading setup keeps in pinned host memory crosses PCIe

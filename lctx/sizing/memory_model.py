@@ -230,8 +230,14 @@ REMAT_POLICIES: dict[str, dict[str, str]] = {
 }
 
 
-def tensor_bytes_per_token(name: str, dims: ModelDims, setup: Setup) -> float:
-  """Bytes one token of one layer's tensor `name` takes (per tensor shard)."""
+def tensor_bytes_per_token(
+  name: str, dims: ModelDims, setup: Setup, lane_padded: bool = True
+) -> float:
+  """Bytes one token of one layer's tensor `name` takes (per tensor shard).
+
+  lane_padded=False: the logical size, as pinned host memory holds an
+  offloaded copy (the compiler moves the unpadded [T, heads, H] bytes: a head
+  dim of 32 moves 32, not 128)."""
   tp = setup.axis("tensor")
   a = setup.dtype_bytes
   d, f = dims.d_model, dims.mlp_dim / tp
@@ -239,7 +245,9 @@ def tensor_bytes_per_token(name: str, dims: ModelDims, setup: Setup) -> float:
   k = dims.num_kv_heads / tp if dims.num_kv_heads % tp == 0 else dims.num_kv_heads
   # Per-head tensors are [B, T, heads, H] with H minor: lane-padded on TPU
   # (a head dim of 64 takes the room of 128; Llama's 128 is exact).
-  h, v = lanes(dims.head_dim), lanes(dims.v_head_dim)
+  h, v = dims.head_dim, dims.v_head_dim
+  if lane_padded:
+    h, v = lanes(h), lanes(v)
   sizes = {
     "layer_input": d * a,
     "query_proj": n * h * a,
@@ -295,8 +303,10 @@ def remat_saved_bytes_per_token(
   output and lse, the custom VJP's) are kept once, as the kernel wrote them.
   sizes(name) -> bytes per token: a linear layer's tensors
   (lctx/sizing/linear_layers.py); None: an attention layer's."""
+  host_sizes = sizes
   if sizes is None:
     sizes = lambda name: tensor_bytes_per_token(name, dims, setup)  # noqa: E731
+    host_sizes = lambda name: tensor_bytes_per_token(name, dims, setup, lane_padded=False)  # noqa: E731
   scale = {"layer_input": 1.0, **dict.fromkeys(models_config.ATTENTION_RESIDUALS, 1.0)}
   scale["residuals"] = device_scale if residual_scale is None else residual_scale
   device = host = 0.0
@@ -304,9 +314,10 @@ def remat_saved_bytes_per_token(
   for name, where in remat_table(setup).items():
     if part != "all" and (name == "layer_input") != (part == "layer_input"):
       continue
-    b = sizes(name) / (k if name == "layer_input" else 1)
+    per = k if name == "layer_input" else 1
+    b = sizes(name) / per
     if where == "offload":
-      host += b
+      host += host_sizes(name) / per
     elif where == "device":
       device += b * scale.get(name, device_scale)
     else:

@@ -199,8 +199,29 @@ def _unstack(params, config):
   return params
 
 
-def test_chunked_mlp_matches_unchunked():
-  config = tiny()
+_HYBRID_TINY = dict(
+  num_layers=4,
+  layer_types=("linear_attention",) * 3 + ("full_attention",),
+  linear_num_key_heads=2,
+  linear_num_value_heads=4,
+  linear_key_head_dim=8,
+  linear_value_head_dim=8,
+)
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {},
+    # Gemma's norms after each sub-layer, and a hybrid's linear layers: the
+    # mixer's pre- and post-norms run over the same chunks as the MLP.
+    dict(post_sublayer_norms=True, norm_plus_one=True),
+    _HYBRID_TINY,
+  ],
+  ids=["llama", "post_norms", "hybrid"],
+)
+def test_chunked_mlp_matches_unchunked(overrides):
+  config = tiny(**overrides)
   _, params = _init(config)
   inputs, pos, seg = _batch()
   want_loss, want_grads = _loss_and_grads(config, params)

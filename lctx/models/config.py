@@ -173,9 +173,7 @@ class ModelConfig:
   """Scan over layers (one compiled block). False unrolls them (debugging)."""
   mlp_chunk_size: int | None = None
   """Run the MLP over sequence chunks of this many tokens (lctx.kernels.chunked_mlp)
-    so its [B, T, F] hidden never lives whole; the layer's norms (before the MLP,
-    and before and after the token mixer) run over the same chunks, so their
-    float32 values never span T. None = one piece."""
+    so its [B, T, F] hidden never lives whole. None = one piece."""
   tie_embeddings: bool = False
   """Use the input embedding's transpose as the unembedding."""
   # ---- hybrid families (Qwen3.5 / Qwen3-Next / Kimi Linear): linear layers and

@@ -62,14 +62,10 @@ class DecoderLayer(nn.Module):
     x = constrain(x, _ACT)
     if self.input_tag:  # what 'offload_layer_inputs' and friends keep or offload
       x = tag_layer_input(x, c.layer_input_pieces, self.input_tag)
-    # The mixer's norms run over the MLP's sequence chunks too (the normed
-    # output is the compute dtype; the float32 norm and its cotangent exist for
-    # one chunk, not all T tokens: a whole-sequence f32 [T, D] value was among
-    # the largest slots of the long hybrid compile, docs/benchmarks.md).
-    h = _per_chunk(norm_of(c, "attn_norm")(x, as_function=True), x, c.mlp_chunk_size)
+    h = norm_of(c, "attn_norm")(x)
     h = self._token_mixer()(h, segment_ids, positions)
     if c.post_sublayer_norms:
-      h = _per_chunk(norm_of(c, "post_attn_norm")(h, as_function=True), h, c.mlp_chunk_size)
+      h = norm_of(c, "post_attn_norm")(h)
     x = constrain(x + h, _ACT)
     # The norms run inside the MLP's sequence chunks (one chunk's float32 norm
     # and its cotangent at a time; at Llama-8B with 524,288 tokens per device
@@ -87,17 +83,6 @@ class DecoderLayer(nn.Module):
       return cls(c, self.mixer, name="linear_attention")
     attn_cls = MLAAttention if c.attention == "mla" else GQAAttention
     return attn_cls(c, self.mixer, self.window_size, name="attention")
-
-
-def _per_chunk(fn, x, chunk_size):
-  """fn (a per-token function) over x's sequence chunks of chunk_size tokens,
-  or whole when chunk_size is None or covers T (lctx.kernels.chunked_mlp)."""
-  if chunk_size is None or chunk_size >= x.shape[1]:
-    return fn(x)
-  # Imported lazily, as the MLP does: models may run without the kernels' extras.
-  from lctx.kernels import chunked_mlp
-
-  return chunked_mlp(fn, x, chunk_size)
 
 
 class Block(nn.Module):

@@ -619,6 +619,13 @@ def test_main_mode_plan_writes_plan_json(tmp_path):
   ]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode in (0, 1), proc.stderr[-2000:]
+  # Without --plan_hardware, or with one that names no hardware: one `error:`
+  # line and exit status 2, no traceback.
+  for flag in ([], ["--plan_hardware=v9z-64"]):
+    bad = [a for a in cmd if not a.startswith("--plan_hardware")] + flag
+    bad_proc = subprocess.run(bad, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad_proc.returncode == 2, bad_proc.stderr[-2000:]
+    assert "error: --" in bad_proc.stderr and "Traceback" not in bad_proc.stderr, flag
   with open(tmp_path / "plan.json") as f:
     rec = json.load(f)
   assert rec["configured"]["setup"]["strategy"] == "ring"

@@ -28,6 +28,7 @@ from typing import Any
 
 from absl import logging
 
+from lctx import errors
 from lctx import hardware as hw
 from lctx.models import config as models_config
 from lctx.parallel import mesh as mesh_lib
@@ -488,11 +489,17 @@ def run_plan(
   exp, workdir: str, *, hardware: str, plan_then_compile: bool = False, gin_files=None
 ) -> dict[str, Any]:
   """`--mode=plan`: prints the plan, writes <workdir>/plan.json, returns the record."""
+  # Bad input from the command line: ConfigError, so main prints one `error:`
+  # line and exits 2 (not a traceback).
   if not hardware:
-    raise ValueError(
+    raise errors.ConfigError(
       "--mode=plan needs --plan_hardware, e.g. v5p-64, tpu7x-64, h100x8 or a "
       "topology such as v5p:4x4x4"
     )
+  try:
+    hw.parse_target(hardware)
+  except ValueError as err:
+    raise errors.ConfigError(f"--plan_hardware={hardware}: {err}") from err
   record = plan(exp, hardware=hardware)
   if plan_then_compile:
     record["compiled"] = _compile_winner(exp, record)

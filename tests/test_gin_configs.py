@@ -57,8 +57,7 @@ SHRUNK_MESH = {
     "MeshConfig.context_ulysses = 2",
     "MeshConfig.tensor = 2",
   ],
-  # UPipe stage projections need tensor = 1: the ring and the all-to-all instead.
-  "gin/long_ironwood.gin": ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2"],
+  "gin/long_ironwood.gin": ["MeshConfig.context = 8"],
   "gin/long_h100.gin": ["MeshConfig.context = 8"],  # its own 8-GPU mesh
   # The hybrids: 4 kv heads, so ulysses 2 of them; no tensor axis.
   "gin/long_hybrid_v5p.gin": ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2"],

@@ -48,7 +48,10 @@ SMALL_SLICE = {
     "v5p:2x2x1",
     ["MeshConfig.context = 2", "MeshConfig.context_ulysses = 2", "TrainConfig.batch_size = 1"],
   ),
-  "gin/long_ironwood.gin": ("tpu7x:2x2x1", ["MeshConfig.context = 8", "TrainConfig.batch_size = 1"]),
+  "gin/long_ironwood.gin": (
+    "tpu7x:2x2x1",
+    ["MeshConfig.context = 8", "TrainConfig.batch_size = 1"],
+  ),
   "gin/ring_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
   "gin/allgather_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),
   "gin/ulysses_v5p.gin": ("v5p:2x2x1", ["MeshConfig.fsdp = 2", "MeshConfig.context = 2"]),

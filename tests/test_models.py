@@ -213,8 +213,8 @@ _HYBRID_TINY = dict(
   "overrides",
   [
     {},
-    # Gemma's norms after each sub-layer, and a hybrid's linear layers: the
-    # mixer's pre- and post-norms run over the same chunks as the MLP.
+    # Gemma's post-MLP norm (applied inside the chunks) and a hybrid's linear
+    # layers under the chunked MLP.
     dict(post_sublayer_norms=True, norm_plus_one=True),
     _HYBRID_TINY,
   ],

@@ -35,14 +35,22 @@ LOCAL = {
   "gin/local_cpu_retrieval_windowed.gin",
   "gin/local_cpu_retrieval_hybrid.gin",
   "gin/local_cpu_extension.gin",
+  "gin/local_cpu_extension_hybrid.gin",
   "gin/local_cpu_sft.gin",
 }
+# Local files whose one-step run is under the slow mark: two hybrid compiles (the
+# base and the stage) at minutes each on 2 cores, where the hybrid model's step
+# (gin/local_cpu_retrieval_hybrid.gin) and the extension stage
+# (gin/local_cpu_extension.gin) each run in the default suite and
+# tests/test_retrieval_hybrid_gin.py checks that the file is their combination.
+SLOW_LOCAL = {"gin/local_cpu_extension_hybrid.gin"}
 # Files that import an HF checkpoint (the macro HF_CHECKPOINT): built and run here
 # on a tiny Llama with a tiny tokenizer.json.
 PRETRAINED = {"gin/local_cpu_pretrained.gin"}
 # Stage files and the file whose checkpoint they start from (BASE_WORKDIR).
 STAGE_BASES = {
   "gin/local_cpu_extension.gin": "gin/local_cpu_retrieval.gin",
+  "gin/local_cpu_extension_hybrid.gin": "gin/local_cpu_retrieval_hybrid.gin",
   "gin/local_cpu_sft.gin": "gin/local_cpu_retrieval.gin",
 }
 # Mesh shrunk to 8 devices, keeping every axis the strategy uses above 1.
@@ -62,6 +70,7 @@ SHRUNK_MESH = {
   # The hybrids: 4 kv heads, so ulysses 2 of them; no tensor axis.
   "gin/long_hybrid_v5p.gin": ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2"],
   "gin/long_hybrid_ironwood.gin": ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2"],
+  "gin/long_gemma3_v5p.gin": ["MeshConfig.context = 8"],  # ring; sliding layers by halo
   "gin/ring_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/allgather_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/ulysses_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
@@ -185,7 +194,13 @@ def _train_one_step(path, workdir, params=()):
   return exp
 
 
-@pytest.mark.parametrize("path", sorted(p for p in EXPERIMENTS if p in LOCAL))
+@pytest.mark.parametrize(
+  "path",
+  [
+    pytest.param(p, marks=pytest.mark.slow) if p in SLOW_LOCAL else p
+    for p in sorted(p for p in EXPERIMENTS if p in LOCAL)
+  ],
+)
 def test_local_config_trains_one_step(path, tmp_path):
   params = []
   if path in STAGE_BASES:

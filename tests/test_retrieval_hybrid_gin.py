@@ -76,3 +76,21 @@ def test_hybrid_model_builds_linear_mixers():
   assert total == c.num_params()
   assert any("conv" in n for n in names), names  # the linear layers' short conv
   assert any("wq" in n or "q_proj" in n or "query" in n for n in names), names
+
+
+def test_hybrid_extension_is_the_extension_stage_with_the_hybrid_model():
+  """gin/local_cpu_extension_hybrid.gin: gin/local_cpu_extension.gin's stage (YaRN,
+  2048-token rows, schedule, data, evals, mesh) on the hybrid's model."""
+  stage = _experiment("gin/local_cpu_extension_hybrid.gin")
+  full_stage = _experiment("gin/local_cpu_extension.gin")
+  hybrid = _experiment(HYBRID)
+  assert stage.model == dataclasses.replace(
+    hybrid.model, rope_scaling=full_stage.model.rope_scaling
+  )
+  assert dict(stage.model.rope_scaling)["rope_type"] == "yarn"
+  assert stage.train == dataclasses.replace(
+    full_stage.train, init_params_from=stage.train.init_params_from
+  )
+  assert stage.train.init_params_from == "/tmp/lctx/retrieval_hybrid"
+  assert stage.data == full_stage.data and stage.evals == full_stage.evals
+  assert stage.mesh == full_stage.mesh

@@ -595,3 +595,41 @@ def test_collective_bytes_by_kind_with_trip_counts():
     [4, 5, 6, 7],
   ]
   assert hlo_flops.expand_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", 8)[0] == [0, 4]
+
+
+def _unnamed_gather_hlo(producer_name: str) -> str:
+  meta = f', metadata={{op_name="{producer_name}"}}' if producer_name else ""
+  return f"""HloModule unnamed
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+ENTRY %main (x: f32[16,8], i: s32[]) -> f32[64,8] {{
+  %x = f32[16,8]{{1,0}} parameter(0)
+  %i = s32[] parameter(1)
+  %f = f32[16,8]{{1,0}} negate(%x){meta}
+  %c = f32[16,8]{{1,0}} copy(%f)
+  %z = f32[64,8]{{1,0}} constant({{...}})
+  %dus = f32[64,8]{{1,0}} dynamic-update-slice(%z, %c, %i, %i)
+  ROOT %ag = f32[64,8]{{1,0}} all-reduce(%dus), replica_groups={{{{0,1,2,3}}}}, to_apply=%add
+}}
+"""
+
+
+def test_an_unnamed_gather_takes_its_slice_producers_scope():
+  """libtpu writes a large all-gather as an all-reduce of a zero buffer holding
+  the slice, without metadata (the full-size hybrid compiles counted the linear
+  layers' summary gathers as 0.0): the slice's producer, through a copy, names
+  the scope. Without a named producer it stays outside the linear layers."""
+  x = 64 * 8 * 4
+  linear = hlo_flops.matmul_flops(
+    _unnamed_gather_hlo("jit(step)/layer_0/linear_attention/lctx_linear/shard_map/concatenate")
+  )
+  assert linear["linear_collective_bytes"]["all-gather"] == 3 / 4 * x
+  for name in ("", "jit(step)/layer_1/mlp/convert", "jit(step)/lctx_linear/lctx_attention/x"):
+    other = hlo_flops.matmul_flops(_unnamed_gather_hlo(name))
+    assert other["linear_collective_bytes"]["all-gather"] == 0.0, name
+    assert sum(r["bytes"] for r in other["collectives"]) == 3 / 4 * x

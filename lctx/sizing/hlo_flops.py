@@ -500,6 +500,27 @@ def _into_zeros(comp: Computation, instr: Instr) -> bool:
   )
 
 
+def _source_op_name(comp: Computation, instr: Instr, steps: int = 8) -> str:
+  """The op_name of the value a collective moves, for a collective that has none
+  of its own. The TPU compiler writes a large all-gather as an all-reduce of a
+  zero buffer holding the device's slice and drops the metadata (the full-size
+  hybrid compiles: every linear layer's summary gather); the slice's producer,
+  a few copies upstream, keeps it. Follows operand 0 (a dynamic-update-slice's
+  update, operand 1) through ops without one; "" when none is found."""
+  cur = instr
+  for _ in range(steps):
+    if not cur.operands:
+      return ""
+    i = 1 if cur.opcode == "dynamic-update-slice" and len(cur.operands) > 1 else 0
+    cur = comp.instrs.get(cur.operands[i][0])
+    if cur is None:
+      return ""
+    name = op_name(cur)
+    if name:
+      return name
+  return ""
+
+
 def host_transfer(comp: Computation, instr: Instr) -> tuple[str, float] | None:
   """('to_host' | 'to_device', bytes) of an op that moves data between HBM and
   pinned host memory (HOST_SPACE), None otherwise: the device-side bytes."""
@@ -630,7 +651,10 @@ def matmul_flops(hlo_text: str) -> dict[str, Any]:
       if found:
         key = found[:2]
         t.collectives[key] = t.collectives.get(key, 0.0) + found[2]
-        if lin and not attn:
+        source = here or _source_op_name(comp, instr)
+        c_attn = ATTENTION_SCOPE in source if source else in_attention
+        c_lin = LINEAR_SCOPE in source if source else in_linear
+        if c_lin and not c_attn:
           t.linear_collectives[found[0]] = t.linear_collectives.get(found[0], 0.0) + found[2]
       moved = host_transfer(comp, instr)
       if moved:

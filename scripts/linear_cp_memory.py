@@ -1,6 +1,6 @@
 """Compiled memory of one context-parallel delta-rule layer (forward + backward) on
-fake CPU devices: how the all-gathered summaries grow with the number of sequence
-shards at a fixed per-device length. Prints a table and writes JSON.
+fake CPU devices: what the state prefix holds and sends as the number of sequence
+shards grows at a fixed per-device length. Prints a table and writes JSON.
 
   python scripts/linear_cp_memory.py [--out=/tmp/linear_cp_memory.json]
   python scripts/linear_cp_memory.py --topology=v5p:4x4x4 --tokens=1048576
@@ -60,8 +60,8 @@ def measure(ways: int, load_balance: bool) -> dict:
     "tokens_per_device": LOCAL,
     "temp_bytes": int(mem.temp_size_in_bytes),
     "argument_bytes": int(mem.argument_size_in_bytes),
-    "gathered_summary_bytes": ways * sent["summary_bytes"],
-    "all_gather_bytes_sent": sent["all_gather_bytes"],
+    "summary_bytes": sent["summary_bytes"],
+    "prefix_bytes_sent": sent["prefix_bytes"],
   }
 
 
@@ -192,11 +192,11 @@ def main():
     return
   rows = [measure(w, lb) for w in (2, 4, 8) for lb in (False, True)]
   print(f"B={B} N={N} H={H} V={V}, {LOCAL} tokens per device, float32, fwd+bwd")
-  print(f"{'ways':>4} {'zigzag':>6} {'temp MiB':>9} {'gathered MiB':>12} {'sent MiB':>9}")
+  print(f"{'ways':>4} {'zigzag':>6} {'temp MiB':>9} {'summary MiB':>12} {'sent MiB':>9}")
   for r in rows:
     print(
       f"{r['ways']:>4} {r['load_balance']!s:>6} {r['temp_bytes'] / 2**20:>9.2f} "
-      f"{r['gathered_summary_bytes'] / 2**20:>12.2f} {r['all_gather_bytes_sent'] / 2**20:>9.2f}"
+      f"{r['summary_bytes'] / 2**20:>12.2f} {r['prefix_bytes_sent'] / 2**20:>9.2f}"
     )
   if out:
     with open(out, "w") as f:

@@ -13,6 +13,8 @@ from lctx.kernels.delta_rule import delta_rule
 from lctx.kernels.short_conv import short_conv
 from lctx.parallel.linear_context import (
   make_linear_fns,
+  piece_table,
+  prefix_permutes,
   ring_attention_bytes,
   state_exchange_bytes,
 )
@@ -178,10 +180,29 @@ def test_state_exchange_bytes():
   got = state_exchange_bytes(
     batch=1, heads=2, key_dim=4, value_dim=3, ways=8, load_balance=True, conv_channels=5
   )
-  summary = 2 * 1 * (2 * 4 * (4 + 3) + 2) * 4
+  summary = 1 * 2 * 4 * (4 + 3) * 4  # one piece's [C | A], float32
   assert got["summary_bytes"] == summary
-  assert got["all_gather_bytes"] == 7 * summary
+  # Zigzag over 8: device d holds pieces d (slot 0) and 15 - d (slot 1). Offsets 1,
+  # 2 and 4 pair slots (0, 0), (0, 1) and (1, 1): three ppermutes each; offset 8
+  # only (0, 1). The ids' and the states' shifts (offset 1) take three each.
+  ids, state = 1 * 4, 1 * 2 * 4 * 3 * 4
+  assert prefix_permutes(piece_table({"context": 8}, True)) == [
+    (1, 3),
+    (1, 3),
+    (2, 3),
+    (4, 3),
+    (8, 1),
+    (1, 3),
+  ]
+  assert got["prefix_bytes"] == 3 * ids + (3 + 3 + 3 + 1) * summary + 3 * state
   assert got["halo_bytes"] == 7 * 2 * 1 * 3 * (5 + 1) * 4
+  assert got["total"] == got["prefix_bytes"] + got["halo_bytes"]
+  # Natural order (no load balance): one slot, one ppermute per shift.
+  plain = state_exchange_bytes(batch=1, heads=2, key_dim=4, value_dim=3, ways=8, load_balance=False)
+  assert plain["prefix_bytes"] == ids + 3 * summary + state
+  # No sequence shards, no exchange.
+  one = state_exchange_bytes(batch=1, heads=2, key_dim=4, value_dim=3, ways=1, load_balance=True)
+  assert one["total"] == 0
   # Qwen3.5-like layer at 1M tokens on 64 devices: the exchange is a small fraction
   # of one ring-attention pass at the same length.
   lin = state_exchange_bytes(

@@ -18,19 +18,21 @@ How (each device, inside one shard_map over the whole mesh):
 - Delta rule: for each piece, its summary, the affine map of the incoming state
   S -> A S + C (A `[B, N, H, H]`, C `[B, N, H, V]` float32, one scan over the piece
   with v and the state widened by H columns), and its first / last segment ids.
-  The summaries are all-gathered over the sequence axes, put in natural piece
-  order, and composed by a scan: piece j starts from S_in(j) = A S_in(j-1) + C of
-  its predecessor, or from 0 when its first token's segment id differs from the
-  predecessor's last (a document boundary on a piece boundary). Each piece then
-  runs `delta_rule` from its S_in. The backward pass is JAX's transpose of this
-  (the all-gather's is a reduce-scatter).
+  Each piece's incoming state is the prefix of those maps in natural piece
+  order, composed in log2(pieces) rounds of ppermutes (Hillis-Steele: round r
+  composes a piece's map with the one 2^r pieces before it); a piece whose first
+  token's segment id differs from its predecessor's last (a document boundary on
+  a piece boundary) takes no state, its A zeroed. Each piece then runs
+  `delta_rule` from its incoming state. The backward pass is JAX's transpose of
+  this (a ppermute's is the reverse ppermute).
 - Short conv: the last W-1 tokens (and segment ids) of every piece are
-  all-gathered the same way (a few KiB); each piece takes its natural
+  all-gathered over the sequence axes (a few KiB); each piece takes its natural
   predecessor's as its halo.
-- Memory: the all-gather holds every piece's summary on every device,
-  O(devices x B N H (H + V)) float32 per layer; a log-depth ppermute prefix
-  (Hillis-Steele) would hold O(1) summaries but take log2(devices) dependent
-  rounds. `state_exchange_bytes` counts what each device sends.
+- Memory: the prefix holds O(log2(pieces)) summaries per layer and device,
+  B N H (H + V) float32 each, for the backward. (It replaced an all-gather of
+  every piece's summary, O(devices): at 64 v5p devices, two pieces each, that
+  was f32 [128, 1048578], 512 MiB per gathered copy.) `state_exchange_bytes`
+  counts what each device sends.
 
 Heads: q, k (Q heads) and v, g, beta (N heads, a multiple of Q: value head j
 reads q/k head j // (N / Q), repeated inside the kernel one chunk at a time) are
@@ -58,7 +60,6 @@ from jax.sharding import PartitionSpec as P
 from lctx.errors import ConfigError
 from lctx.kernels.delta_rule import delta_rule as delta_rule_kernel
 from lctx.kernels.delta_rule import delta_rule_summary
-from lctx.kernels.shard_typing import varying_like
 from lctx.kernels.short_conv import short_conv as short_conv_kernel
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
 from lctx.parallel.validation import zigzag_ring_size
@@ -147,8 +148,7 @@ def _delta_local(q, k, v, g, beta, seg, *, seq_axes, table, chunk_size):
   n_p = table.shape[1]
   lp = q.shape[1] // n_p
   cut = lambda x, h: x[:, h * lp : (h + 1) * lp]  # noqa: E731
-  b, _, _, h_dim = q.shape
-  n, v_dim = v.shape[2], v.shape[3]
+  v_dim = v.shape[3]
   # A piece's map final(S0) = A S0 + C, stored as [C | A] (one scan: the kernel's
   # delta_rule_summary).
   summaries = [
@@ -157,21 +157,11 @@ def _delta_local(q, k, v, g, beta, seg, *, seq_axes, table, chunk_size):
     )
     for i in range(n_p)
   ]
-  ends = jnp.stack([jnp.stack([cut(seg, i)[:, 0], cut(seg, i)[:, -1]]) for i in range(n_p)])
-  summ, ends = _gather_natural([jnp.stack(summaries), _ids_float(ends)], seq_axes, table)
-  first, last = ends[:, 0], ends[:, 1]  # [pieces, B]: each piece's first / last segment id
-  last_before = jnp.concatenate([first[:1], last[:-1]], axis=0)  # [pieces, B]
-
-  def compose(s_prev, xs):
-    m, first_id, prev_id = xs
-    s_in = jnp.where((first_id != prev_id)[:, None, None, None], 0.0, s_prev)
-    s_out = jnp.einsum("bnhk,bnkv->bnhv", m[..., v_dim:], s_in) + m[..., :v_dim]
-    return s_out, s_in
-
-  zero = varying_like(jnp.zeros((b, n, h_dim, v_dim), jnp.float32), summ)
-  _, s_ins = jax.lax.scan(compose, zero, (summ, first, last_before))  # [pieces, B, N, H, V]
+  first = _ids_float(jnp.stack([cut(seg, i)[:, 0] for i in range(n_p)]))  # [pieces, B]
+  last = _ids_float(jnp.stack([cut(seg, i)[:, -1] for i in range(n_p)]))
+  s_ins = _incoming_states(jnp.stack(summaries), first, last, seq_axes, table, v_dim)
   outs = []
-  for i, j in enumerate(_my_pieces(table, seq_axes)):
+  for i in range(n_p):
     o, _ = delta_rule_kernel(
       cut(q, i),
       cut(k, i),
@@ -179,11 +169,67 @@ def _delta_local(q, k, v, g, beta, seg, *, seq_axes, table, chunk_size):
       cut(g, i),
       cut(beta, i),
       segment_ids=cut(seg, i),
-      initial_state=s_ins[j],
+      initial_state=s_ins[i],
       chunk_size=chunk_size,
     )
     outs.append(o)
   return jnp.concatenate(outs, axis=1)
+
+
+def _shift(x, offset: int, seq_axes, table: np.ndarray):
+  """x `[pieces, ...]` (this device's pieces) -> y with y[h] = x of the piece
+  `offset` places before local piece h in natural order (zeros where there is
+  none), by ppermutes: one per (source slot, destination slot) pair that some
+  piece uses. Each is ordered after the previous one (fake CPU devices deadlock
+  when independent collectives start in different orders on different devices)."""
+  ways, n_p = table.shape
+  where = {int(table[d, h]): (d, h) for d in range(ways) for h in range(n_p)}
+  out = [jnp.zeros_like(x[0]) for _ in range(n_p)]
+  prev = None
+  for hs in range(n_p):
+    for hd in range(n_p):
+      pairs = []
+      for j in range(offset, table.size):
+        (ds, hs_), (dd, hd_) = where[j - offset], where[j]
+        if hs_ == hs and hd_ == hd:
+          pairs.append((ds, dd))
+      if not pairs:
+        continue
+      src = x[hs]
+      if not seq_axes:  # one device: its own pieces
+        out[hd] = out[hd] + src
+        continue
+      if prev is not None:
+        prev, src = jax.lax.optimization_barrier((prev, src))
+      prev = jax.lax.ppermute(src, seq_axes, perm=pairs)
+      out[hd] = out[hd] + prev
+  return jnp.stack(out)
+
+
+def _incoming_states(summ, first, last, seq_axes, table: np.ndarray, v_dim: int):
+  """Each local piece's incoming state `[pieces, B, N, H, V]` from every piece's
+  summary `[C | A]` (`[pieces, B, N, H, V + H]`, local) and first / last segment
+  ids (`[pieces, B]`), by a log-depth prefix over natural piece order
+  (Hillis-Steele): round r composes each piece's map with the one 2^r places
+  before it, so a device holds O(1) summaries at a time, not every device's.
+
+  A document boundary on a piece boundary (first id != its predecessor's last)
+  zeroes the piece's A, so nothing flows into it. A map whose prefix reaches
+  piece 0 keeps only its C (its A would act on piece 0's zero incoming state),
+  which is why the zeros a piece with no partner receives are harmless."""
+  d = jax.lax.axis_index(seq_axes) if seq_axes else 0
+  j = jnp.asarray(table)[d]  # [pieces]: natural index of each local piece
+  prev_last = _shift(last, 1, seq_axes, table)
+  cont = ((first == prev_last) & (j > 0)[:, None]).astype(jnp.float32)  # [pieces, B]
+  c, a = summ[..., :v_dim], summ[..., v_dim:] * cont[:, :, None, None, None]
+  offset = 1
+  while offset < table.size:
+    got = _shift(jnp.concatenate([c, a], axis=-1), offset, seq_axes, table)
+    c_prev, a_prev = got[..., :v_dim], got[..., v_dim:]
+    c = jnp.einsum("pbnhk,pbnkv->pbnhv", a, c_prev) + c
+    a = jnp.einsum("pbnhk,pbnkj->pbnhj", a, a_prev)
+    offset *= 2
+  return _shift(c, 1, seq_axes, table) * cont[:, :, None, None, None]
 
 
 def _delta_rule(q, k, v, g, beta, *, segment_ids, mesh, table, chunk_size):
@@ -298,6 +344,26 @@ def make_linear_fns(mesh, *, load_balance: bool, chunk_size: int = 64) -> Linear
 # ----------------------------------------------------------------------------
 # Sizing
 # ----------------------------------------------------------------------------
+def prefix_permutes(table: np.ndarray) -> list[tuple[int, int]]:
+  """`[(offset, ppermutes)]`: the shifts the state prefix runs over a piece table
+  (`piece_table`), in order: the boundary ids' shift (offset 1), one per
+  Hillis-Steele round (offsets 1, 2, 4, ... below the piece count), and the final
+  shift of the composed states (offset 1); each shift is one ppermute per
+  (source slot, destination slot) pair some piece uses (none on one device)."""
+  ways, n_p = table.shape
+  if ways == 1:
+    return []
+  where = {int(table[d, h]): h for d in range(ways) for h in range(n_p)}
+
+  def count(offset):
+    return len({(where[j - offset], where[j]) for j in range(offset, table.size)})
+
+  offsets = [1]
+  while offsets[-1] * 2 < table.size:
+    offsets.append(offsets[-1] * 2)
+  return [(1, count(1))] + [(o, count(o)) for o in offsets] + [(1, count(1))]
+
+
 def state_exchange_bytes(
   *,
   batch: int,
@@ -308,24 +374,38 @@ def state_exchange_bytes(
   load_balance: bool,
   conv_channels: int = 0,
   conv_width: int = 4,
+  ring: int | None = None,
 ) -> dict:
   """Bytes each device sends per linear layer in the forward pass (the backward
-  sends the same again: an all-gather's transpose is a reduce-scatter of the same
-  size). batch / heads / conv_channels: per device (after data, fsdp and tensor
-  sharding); ways: sequence shards (context x context_ulysses).
+  sends the same again: a ppermute's transpose is the reverse ppermute, an
+  all-gather's a reduce-scatter of the same size). batch / heads / conv_channels:
+  per device (after data, fsdp and tensor sharding); ways: sequence shards
+  (context x context_ulysses); ring: the zigzag ring size (`context`; default
+  ways).
 
-  Returns {summary_bytes (one device's summaries and their first / last ids,
-  float32), all_gather_bytes ((ways - 1) x summary_bytes: a ring all-gather's
-  traffic per device), halo_bytes (the conv tails' all-gather, float32), total}."""
-  pieces = 2 if load_balance else 1
-  summary = pieces * batch * (heads * key_dim * (key_dim + value_dim) + 2) * 4
-  tails = pieces * batch * (conv_width - 1) * (conv_channels + 1) * 4
-  gather, halo = (ways - 1) * summary, (ways - 1) * tails if conv_channels else 0
+  Returns {summary_bytes (one piece's summary `[C | A]`, float32), prefix_bytes
+  (the state prefix's ppermutes, each counted at its operand's size as the
+  compiled program holds it: the boundary ids, log2(pieces) rounds of summaries,
+  the composed states), halo_bytes (the conv tails' all-gather, float32: (ways -
+  1) x one device's tails), total}."""
+  table = piece_table(
+    {"context": ring or ways, "context_ulysses": ways // (ring or ways)}, load_balance
+  )
+  n_p = table.shape[1]
+  summary = batch * heads * key_dim * (key_dim + value_dim) * 4
+  steps = prefix_permutes(table)
+  prefix = 0
+  if steps and heads:
+    ids, state = batch * 4, batch * heads * key_dim * value_dim * 4
+    prefix = steps[0][1] * ids + sum(c for _, c in steps[1:-1]) * summary
+    prefix += steps[-1][1] * state
+  tails = n_p * batch * (conv_width - 1) * (conv_channels + 1) * 4
+  halo = (ways - 1) * tails if conv_channels else 0
   return {
     "summary_bytes": summary,
-    "all_gather_bytes": gather,
+    "prefix_bytes": prefix,
     "halo_bytes": halo,
-    "total": gather + halo,
+    "total": prefix + halo,
   }
 
 

@@ -17,15 +17,16 @@ the compile checks, tests/test_sizing_linear.py, say how far they are):
   cotangents per token in the compute dtype, g and beta and theirs in f32, the chunk scan's kept chunk states (T / C
   of [N, K, V] f32 in one level, about 2 sqrt(T / C) in two, and as many
   [N, K, V] and [N, K, K] ones for
-  the context-parallel summary pass), the all-gathered summaries of every piece and
-  their cotangent (O(devices): lctx/parallel/linear_context.py);
+  the context-parallel summary pass), the state prefix's maps (O(log devices):
+  lctx/parallel/linear_context.py);
 - FLOPs: the chunked delta rule's forward (models.config.linear_mixer_flops),
   its backward (2 x), the remat levels inside the kernel (+1 forward per level:
   two from lctx.kernels.delta_rule.TWO_LEVEL_MIN_CHUNKS chunks a piece), and
   under context parallelism the summary pass (one final-state scan per piece,
   `summary_flops_per_token`) with the same factors;
 - bytes: `state_exchange_bytes` per pass (forward, each recompute) and twice that
-  in the backward (the compiler turns the gather's transpose into an all-reduce).
+  in the backward (the prefix's ppermutes transpose to ppermutes; the conv halos'
+  gather to an all-reduce).
 
 Shapes legend: T tokens per device, N value heads per tensor shard, Q q/k heads,
 K / V key / value head dims, C chunk, D d_model.
@@ -127,8 +128,11 @@ def linear_buffer_bytes(model, setup, rows: int, tokens: int) -> float:
   if ways > 1:
     summary = n * k * (k + v) * F32
     out += rows * pieces * _scan_states(chunks) * summary  # the summary pass's chunk states
-    out += 2 * rows * ways * pieces * summary  # gathered summaries and their cotangent
-    out += rows * ways * pieces * n * k * v * F32  # the composed incoming states
+    # The state prefix (linear_context._incoming_states): each of its log2(pieces)
+    # rounds keeps the local maps and the ones it received for the backward.
+    rounds = math.ceil(math.log2(ways * pieces))
+    out += 2 * rows * pieces * rounds * summary
+    out += rows * pieces * n * k * v * F32  # the incoming states
   return out
 
 
@@ -178,8 +182,9 @@ def exchange_bytes(model, setup, passes_fwd: int) -> float:
   lb = setup.strategy in ("ring", "usp") and setup.axis("context") > 1
   k, v, hq = model.linear_key_head_dim, model.linear_value_head_dim, model.linear_num_key_heads
   w = model.linear_conv_kernel_dim
+  ring = setup.axis("context") if lb else ways
   per = state_exchange_bytes(
-    batch=rows, heads=n, key_dim=k, value_dim=v, ways=ways, load_balance=lb
+    batch=rows, heads=n, key_dim=k, value_dim=v, ways=ways, load_balance=lb, ring=ring
   )["total"]
   for channels in (hq * k, hq * k, model.linear_num_value_heads * v):  # the three convs
     per += state_exchange_bytes(
@@ -191,5 +196,6 @@ def exchange_bytes(model, setup, passes_fwd: int) -> float:
       load_balance=lb,
       conv_channels=channels,
       conv_width=w,
+      ring=ring,
     )["halo_bytes"]
   return layers * per * (passes_fwd + 2)

@@ -211,7 +211,8 @@ def _incoming_states(summ, first, last, seq_axes, table: np.ndarray, v_dim: int)
   summary `[C | A]` (`[pieces, B, N, H, V + H]`, local) and first / last segment
   ids (`[pieces, B]`), by a log-depth prefix over natural piece order
   (Hillis-Steele): round r composes each piece's map with the one 2^r places
-  before it, so a device holds O(1) summaries at a time, not every device's.
+  before it, so a device holds one received summary per round (log2(pieces)
+  rounds kept for the backward), not every device's.
 
   A document boundary on a piece boundary (first id != its predecessor's last)
   zeroes the piece's A, so nothing flows into it. A map whose prefix reaches

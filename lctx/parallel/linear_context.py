@@ -176,33 +176,45 @@ def _delta_local(q, k, v, g, beta, seg, *, seq_axes, table, chunk_size):
   return jnp.concatenate(outs, axis=1)
 
 
+def _shift_moves(table: np.ndarray, offset: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+  """`{(source slot, destination slot): [(source device, destination device)]}`:
+  where each piece's value goes when every piece takes the one `offset` places
+  before it in natural order. Each group is a partial permutation of devices, so
+  each is one ppermute (as in lctx.parallel.zigzag.zigzag_half_moves)."""
+  ways, n_p = table.shape
+  where = {int(table[d, h]): (d, h) for d in range(ways) for h in range(n_p)}
+  moves: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  for j in range(offset, table.size):
+    (ds, hs), (dd, hd) = where[j - offset], where[j]
+    moves.setdefault((hs, hd), []).append((ds, dd))
+  return moves
+
+
+def _prefix_offsets(pieces: int) -> list[int]:
+  """The Hillis-Steele rounds' offsets: 1, 2, 4, ... below `pieces`."""
+  offsets = [1]
+  while offsets[-1] * 2 < pieces:
+    offsets.append(offsets[-1] * 2)
+  return offsets if pieces > 1 else []
+
+
 def _shift(x, offset: int, seq_axes, table: np.ndarray):
   """x `[pieces, ...]` (this device's pieces) -> y with y[h] = x of the piece
   `offset` places before local piece h in natural order (zeros where there is
-  none), by ppermutes: one per (source slot, destination slot) pair that some
-  piece uses. Each is ordered after the previous one (fake CPU devices deadlock
-  when independent collectives start in different orders on different devices)."""
-  ways, n_p = table.shape
-  where = {int(table[d, h]): (d, h) for d in range(ways) for h in range(n_p)}
-  out = [jnp.zeros_like(x[0]) for _ in range(n_p)]
+  none), by one ppermute per `_shift_moves` group. Each is ordered after the
+  previous one (fake CPU devices deadlock when independent collectives start in
+  different orders on different devices)."""
+  out = [jnp.zeros_like(x[0]) for _ in range(table.shape[1])]
   prev = None
-  for hs in range(n_p):
-    for hd in range(n_p):
-      pairs = []
-      for j in range(offset, table.size):
-        (ds, hs_), (dd, hd_) = where[j - offset], where[j]
-        if hs_ == hs and hd_ == hd:
-          pairs.append((ds, dd))
-      if not pairs:
-        continue
-      src = x[hs]
-      if not seq_axes:  # one device: its own pieces
-        out[hd] = out[hd] + src
-        continue
-      if prev is not None:
-        prev, src = jax.lax.optimization_barrier((prev, src))
-      prev = jax.lax.ppermute(src, seq_axes, perm=pairs)
-      out[hd] = out[hd] + prev
+  for (hs, hd), pairs in sorted(_shift_moves(table, offset).items()):
+    src = x[hs]
+    if not seq_axes:  # one device: its own pieces
+      out[hd] = out[hd] + src
+      continue
+    if prev is not None:
+      prev, src = jax.lax.optimization_barrier((prev, src))
+    prev = jax.lax.ppermute(src, seq_axes, perm=pairs)
+    out[hd] = out[hd] + prev
   return jnp.stack(out)
 
 
@@ -223,13 +235,11 @@ def _incoming_states(summ, first, last, seq_axes, table: np.ndarray, v_dim: int)
   prev_last = _shift(last, 1, seq_axes, table)
   cont = ((first == prev_last) & (j > 0)[:, None]).astype(jnp.float32)  # [pieces, B]
   c, a = summ[..., :v_dim], summ[..., v_dim:] * cont[:, :, None, None, None]
-  offset = 1
-  while offset < table.size:
+  for offset in _prefix_offsets(table.size):
     got = _shift(jnp.concatenate([c, a], axis=-1), offset, seq_axes, table)
     c_prev, a_prev = got[..., :v_dim], got[..., v_dim:]
     c = jnp.einsum("pbnhk,pbnkv->pbnhv", a, c_prev) + c
     a = jnp.einsum("pbnhk,pbnkj->pbnhj", a, a_prev)
-    offset *= 2
   return _shift(c, 1, seq_axes, table) * cont[:, :, None, None, None]
 
 
@@ -351,18 +361,10 @@ def prefix_permutes(table: np.ndarray) -> list[tuple[int, int]]:
   Hillis-Steele round (offsets 1, 2, 4, ... below the piece count), and the final
   shift of the composed states (offset 1); each shift is one ppermute per
   (source slot, destination slot) pair some piece uses (none on one device)."""
-  ways, n_p = table.shape
-  if ways == 1:
+  if table.shape[0] == 1:
     return []
-  where = {int(table[d, h]): h for d in range(ways) for h in range(n_p)}
-
-  def count(offset):
-    return len({(where[j - offset], where[j]) for j in range(offset, table.size)})
-
-  offsets = [1]
-  while offsets[-1] * 2 < table.size:
-    offsets.append(offsets[-1] * 2)
-  return [(1, count(1))] + [(o, count(o)) for o in offsets] + [(1, count(1))]
+  shifts = [1] + _prefix_offsets(table.size) + [1]
+  return [(o, len(_shift_moves(table, o))) for o in shifts]
 
 
 def state_exchange_bytes(

@@ -194,6 +194,21 @@ def _train_one_step(path, workdir, params=()):
   return exp
 
 
+@pytest.fixture(scope="module")
+def base_runs(tmp_path_factory):
+  """A base file's one-step run, made once per module: its own test and each stage
+  that starts from it read the same workdir (the file runs on one worker)."""
+  runs = {}
+
+  def run(path):
+    if path not in runs:
+      workdir = tmp_path_factory.mktemp("base")
+      runs[path] = (_train_one_step(path, workdir), workdir)
+    return runs[path]
+
+  return run
+
+
 @pytest.mark.parametrize(
   "path",
   [
@@ -201,12 +216,12 @@ def _train_one_step(path, workdir, params=()):
     for p in sorted(p for p in EXPERIMENTS if p in LOCAL)
   ],
 )
-def test_local_config_trains_one_step(path, tmp_path):
+def test_local_config_trains_one_step(path, tmp_path, base_runs):
   params = []
   if path in STAGE_BASES:
     # The stage starts from a checkpoint of its base file: their parameters match.
-    _train_one_step(STAGE_BASES[path], tmp_path / "base")
-    params = [f"BASE_WORKDIR = '{tmp_path / 'base'}'"]
+    _, base_dir = base_runs(STAGE_BASES[path])
+    params = [f"BASE_WORKDIR = '{base_dir}'"]
     tmp_path = tmp_path / "stage"
   if path == "gin/local_cpu_sft.gin":  # its conversations, written by its own script
     data = tmp_path / "sft_data"
@@ -227,7 +242,10 @@ def test_local_config_trains_one_step(path, tmp_path):
       f"DataConfig.data_dir = '{tmp_path / 'cache'}'",
     ]
     tmp_path = tmp_path / "run"
-  exp = _train_one_step(path, tmp_path, params)
+  if path in STAGE_BASES.values():  # the run its stages start from
+    exp, tmp_path = base_runs(path)
+  else:
+    exp = _train_one_step(path, tmp_path, params)
   with open(tmp_path / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
   train = [r for r in records if "loss" in r]

@@ -8,10 +8,10 @@ os.environ["XLA_FLAGS"] = (
   # A loaded CI machine must not turn a slow fake device into a killed process
   # (lctx/platforms.py, CPU_COLLECTIVE_TIMEOUT_FLAG).
   + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
-  # The suite's programs are tiny and mostly compiled once: a cheaper LLVM backend
-  # compiles them faster than the optimised code would run them faster (a hybrid
-  # chunked-MLP test: 37 -> 24 s on 2 cores). XLA's HLO passes are the same; only
-  # LLVM's optimisation of the machine code is cut. Every tolerance is unchanged.
+  # The suite's programs are tiny and mostly compiled once: code generated at a
+  # lower LLVM optimisation level compiles faster than optimised code would run
+  # faster (two compile-heavy hybrid tests alone: 75-82 -> 65-66 s on 2 cores;
+  # docs/benchmarks.md, "The test suite's time"). Every tolerance is unchanged.
   + " --xla_backend_optimization_level=0"
   + " --xla_llvm_disable_expensive_passes=true"
 ).strip()

@@ -7,6 +7,7 @@ shards grows at a fixed per-device length. Prints a table and writes JSON.
   flock /work/wt/bigjob.lock nice -n 10 python scripts/linear_cp_memory.py \
       --topology=v5p:4x4x4 --tokens=16777216        # a few GiB of host memory
   ... --topology=v5p:4x4x4 --tokens=16777216 --layer   # the whole GDN layer
+  ... --layer --chunk=4096   # the layer over sequence chunks (linear_chunk_size)
 
 With --topology: one GDN-shaped layer (32 heads, head dims 128, bf16 inputs, zigzag)
 compiled for that TPU slice (compile only, context = every device): the TPU
@@ -118,8 +119,9 @@ def compile_tpu(topology: str, tokens: int) -> dict:
   }
 
 
-def compile_layer(topology: str, tokens: int) -> dict:
-  """The whole GDN layer (Qwen3.5-9B shape) under context parallelism, fwd + bwd."""
+def compile_layer(topology: str, tokens: int, chunk: int | None = None) -> dict:
+  """The whole GDN layer (Qwen3.5-9B shape) under context parallelism, fwd + bwd;
+  chunk: ModelConfig.linear_chunk_size (None: the layer whole)."""
   import flax.linen as nn
 
   from lctx.models.config import ModelConfig
@@ -150,6 +152,7 @@ def compile_layer(topology: str, tokens: int) -> dict:
     norm_eps=1e-6,
     dtype="bfloat16",
     param_dtype="float32",
+    linear_chunk_size=chunk,
   )
   mixer = SequenceMixer(attention=None, linear=make_linear_fns(mesh, load_balance=True))
   layer = GatedDeltaNet(c, mixer)
@@ -171,6 +174,7 @@ def compile_layer(topology: str, tokens: int) -> dict:
     "what": "GatedDeltaNet layer (Qwen3.5-9B shape), fwd + bwd",
     "tokens": tokens,
     "tokens_per_device": tokens // len(devices),
+    "linear_chunk_size": chunk,
     "temp_bytes": int(mem.temp_size_in_bytes),
     "argument_bytes": int(mem.argument_size_in_bytes),
     "output_bytes": int(mem.output_size_in_bytes),
@@ -184,7 +188,11 @@ def main():
   topo = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--topology=")), None)
   if topo:
     tokens = int(next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--tokens=")))
-    rec = (compile_layer if "--layer" in sys.argv[1:] else compile_tpu)(topo, tokens)
+    chunk = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--chunk=")), None)
+    if "--layer" in sys.argv[1:]:
+      rec = compile_layer(topo, tokens, chunk)
+    else:
+      rec = compile_tpu(topo, tokens)
     print(json.dumps(rec, indent=1))
     if out:
       with open(out, "w") as f:

@@ -46,6 +46,7 @@ KDA = dataclasses.replace(
   linear_attention="kda",
   linear_num_key_heads=4,
 )
+CHUNKED = dataclasses.replace(HYBRID, linear_chunk_size=4)
 B, T = 4, 64
 
 
@@ -92,7 +93,9 @@ CASES = [
   ("all_gather", HYBRID, dict(context=8), None),
   ("ulysses", HYBRID, dict(context=2, data=2, fsdp=2), None),
   ("ring", HYBRID, dict(data=2, context=4), True),
-  ("usp", HYBRID, dict(context=2, context_ulysses=2, data=2), None),
+  # usp with the linear layers over sequence chunks (pieces of 8 tokens, 2 chunks each)
+  ("usp", CHUNKED, dict(context=2, context_ulysses=2, data=2), None),
+  pytest.param("usp", HYBRID, dict(context=2, context_ulysses=2, data=2), None, marks=SLOW),
   pytest.param("ring", HYBRID, dict(data=2, context=4), False, marks=SLOW),
   pytest.param("ring", HYBRID, dict(tensor=2, context=4), None, marks=SLOW),
   pytest.param("ring", KDA, dict(data=2, context=4), None, marks=SLOW),
@@ -101,7 +104,7 @@ CASES = [
 
 def _case_id(case):
   strategy, cfg, mesh, zigzag = case.values if hasattr(case, "values") else case
-  kind = cfg.linear_attention
+  kind = cfg.linear_attention + (f"-chunk{cfg.linear_chunk_size}" if cfg.linear_chunk_size else "")
   lb = "" if zigzag is None else ("-zigzag" if zigzag else "-natural")
   return f"{strategy}-{kind}{lb}-" + "x".join(f"{k}{v}" for k, v in mesh.items())
 

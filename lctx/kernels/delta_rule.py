@@ -331,24 +331,37 @@ def delta_rule_transition(k, g, beta, *, segment_ids=None, chunk_size=64):
   )
 
 
-def delta_rule_summary(k, v, g, beta, *, segment_ids=None, chunk_size=64):
+def delta_rule_summary(k, v, g, beta, *, segment_ids=None, chunk_size=64, initial_summary=None):
   """The affine map of a row's incoming state, S0 -> A @ S0 + C, as `[B, N, H, V + H]`
   float32 [C | A]: C = `delta_rule_final_state` from 0, A = `delta_rule_transition`.
 
   One scan from [0 | I] whose extra H state columns read v = 0: both share the
   in-chunk decays, k k^T and solve, and no widened `[T, N, V + H]` v is formed.
   k `[B, T, Q, H]`, v `[B, T, N, V]`, g, beta as in `delta_rule`.
+
+  initial_summary `[B, N, H, V + H]` (an earlier row's [C0 | A0]; None: [0 | I]):
+  the scan starts from it, so the result is this row's map composed after it,
+  S0 -> A (A0 S0 + C0) + C (the recurrence is linear in the state; applied as
+  given, no reset at token 0).
   """
   _check(k, k, v, g, beta, segment_ids, None)
   b, t, _, h = k.shape
   n, v_dim = v.shape[2], v.shape[3]
-  start = jnp.concatenate(
-    [
-      jnp.zeros((b, n, h, v_dim), jnp.float32),
-      jnp.broadcast_to(jnp.eye(h, dtype=jnp.float32), (b, n, h, h)),
-    ],
-    axis=-1,
-  )
+  if initial_summary is None:
+    start = jnp.concatenate(
+      [
+        jnp.zeros((b, n, h, v_dim), jnp.float32),
+        jnp.broadcast_to(jnp.eye(h, dtype=jnp.float32), (b, n, h, h)),
+      ],
+      axis=-1,
+    )
+  elif initial_summary.shape != (b, n, h, v_dim + h):
+    raise ValueError(
+      f"delta_rule_summary: initial_summary {initial_summary.shape} must be "
+      f"[B, N, H, V + H] = {(b, n, h, v_dim + h)}"
+    )
+  else:
+    start = initial_summary
   return _scan(k, k, v, g, beta, segment_ids, start, chunk_size, False)[1]
 
 

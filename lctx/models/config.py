@@ -193,6 +193,14 @@ class ModelConfig:
   """Linear layers: value head width (the state's columns)."""
   linear_conv_kernel_dim: int = 4
   """Linear layers: width W of the causal depthwise conv over q, k and v."""
+  linear_chunk_size: int | None = None
+  """Run each linear layer whole (projections, conv, delta rule, gated norm,
+    output projection) over sequence chunks of this many tokens, the state and
+    the conv's W-1 tokens carried from chunk to chunk, so no per-token value but
+    the layer's input and output spans the sequence (lctx.parallel.linear_context
+    `chunked_layer`; the backward recomputes one chunk at a time). It must divide
+    each piece (the tokens per device, halved under zigzag); larger: one chunk
+    per piece. None = whole, the remat tags inside the layer apply."""
   attention_output_gate: bool = False
   """Full attention scales its output per channel by sigmoid(x Wg) before the
     output projection (Qwen3.5 / Qwen3-Next: q_proj also produces the gate);
@@ -609,6 +617,10 @@ def _validate_hybrid(c: ModelConfig) -> None:
   for name in names:
     if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
       raise ValueError(f"{name} must be an int >= 1; got {getattr(c, name)!r}")
+  if c.linear_chunk_size is not None and (
+    not isinstance(c.linear_chunk_size, int) or c.linear_chunk_size < 1
+  ):
+    raise ValueError(f"linear_chunk_size must be None or an int >= 1; got {c.linear_chunk_size!r}")
   hq, hv = c.linear_num_key_heads, c.linear_num_value_heads
   if hv % hq:
     raise ValueError(

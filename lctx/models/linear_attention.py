@@ -32,6 +32,8 @@ K key head dim, V value head dim, W conv width.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,11 +42,13 @@ from jax.ad_checkpoint import checkpoint_name
 from lctx.kernels import flop_tags
 from lctx.models.config import ModelConfig
 from lctx.models.layers import constrain, fan_in_init, param
+from lctx.parallel.linear_context import LinearParts, chunked_layer
 from lctx.parallel.mixer import as_mixer
 
 _L2_EPS = 1e-6  # transformers' l2norm (and fla's)
 _QK_NAMES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 _OUT_NAMES = ("act_batch", "act_seq", "act_embed")
+_CONVS = ("conv_q", "conv_k", "conv_v")
 
 
 class _LocalLinearOps:
@@ -61,6 +65,10 @@ class _LocalLinearOps:
     from lctx.kernels.delta_rule import delta_rule  # pylint: disable=g-import-not-at-top
 
     return delta_rule(q, k, v, g, beta, segment_ids=segment_ids)[0]
+
+  @staticmethod
+  def layer(parts, p, x, *, segment_ids, chunk_size):
+    return chunked_layer(parts, p, x, segment_ids=segment_ids, chunk_size=chunk_size)
 
 
 def linear_ops(mixer):
@@ -96,22 +104,36 @@ def _conv(ops, x, weight, segment_ids):
   return y.reshape(b, t, h, k)
 
 
-def _delta_rule(mixer, c, q, k, v, g, beta, segment_ids):
-  """q, k `[B, T, Q, K]` conv outputs -> o `[B, T, N, V]` in the compute dtype (q/k
-  L2-normed, q scaled). q and k keep their Q heads: the delta rule repeats them to
-  the value heads one chunk at a time (value head j reads q/k head j // G)."""
+def _heads(c: ModelConfig, p, q, k, v):
+  """The conv outputs -> what the delta rule reads: q, k `[B, T, Q, K]` L2-normed
+  (q scaled by K^-1/2), v, all in the compute dtype. q and k keep their Q heads:
+  the delta rule repeats them to the value heads one chunk at a time (value head j
+  reads q/k head j // G)."""
+  del p
   q = l2_normalise(q, c.linear_key_head_dim**-0.5, c.dtype)
-  k = l2_normalise(k, 1.0, c.dtype)
-  q, k = (constrain(t, _QK_NAMES) for t in (q, k))
-  v = constrain(v.astype(c.dtype), _QK_NAMES)
+  return q, l2_normalise(k, 1.0, c.dtype), v.astype(c.dtype)
+
+
+def _run(mixer, c: ModelConfig, parts: LinearParts, p: dict, x, segment_ids):
+  """A linear layer on x `[B, T, D]`: over sequence chunks of c.linear_chunk_size
+  (the mixer's `layer` op: no per-token value but x and the output spans T), or
+  whole (the mixer's short_conv and delta_rule, with the remat tags)."""
+  ops = linear_ops(mixer)
+  if c.linear_chunk_size:
+    out = ops.layer(parts, p, x, segment_ids=segment_ids, chunk_size=c.linear_chunk_size)
+    return checkpoint_name(constrain(out, _OUT_NAMES), "out_proj")
+  raw_q, raw_k, raw_v, g, beta = parts.project(p, x)
+  convs = [_conv(ops, r, p[n], segment_ids) for r, n in zip((raw_q, raw_k, raw_v), _CONVS)]
+  q, k, v = (constrain(t, _QK_NAMES) for t in parts.heads(p, *convs))
   q, k, v = (
     checkpoint_name(q, "query_proj"),
     checkpoint_name(k, "key_proj"),
     checkpoint_name(v, "value_proj"),
   )
   with flop_tags.linear_scope():  # sizing reads the mixer's matmuls and exchange apart
-    o = linear_ops(mixer).delta_rule(q, k, v, g, beta, segment_ids=segment_ids)
-  return checkpoint_name(constrain(o, _QK_NAMES), "attention_out")
+    o = ops.delta_rule(q, k, v, g, beta, segment_ids=segment_ids)
+  o = checkpoint_name(constrain(o, _QK_NAMES), "attention_out")
+  return checkpoint_name(constrain(parts.finish(p, x, o), _OUT_NAMES), "out_proj")
 
 
 class GatedDeltaNet(nn.Module):
@@ -126,7 +148,7 @@ class GatedDeltaNet(nn.Module):
     c = self.config
     d, hq, hv = c.d_model, c.linear_num_key_heads, c.linear_num_value_heads
     kd, vd, w = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
-    pd, cd = c.param_dtype, c.dtype
+    pd = c.param_dtype
     init = fan_in_init([0], [1, 2])
     wq = param(self, "wq", init, (d, hq, kd), ("embed", "kv_heads", "head_dim"), pd)
     wk = param(self, "wk", init, (d, hq, kd), ("embed", "kv_heads", "head_dim"), pd)
@@ -146,19 +168,44 @@ class GatedDeltaNet(nn.Module):
       self, "wo", fan_in_init([0, 1], [2]), (hv, vd, d), ("heads", "head_dim", "embed"), pd
     )
 
-    ops = linear_ops(self.mixer)
-    proj = lambda w_, eq: jnp.einsum(eq, x, w_.astype(cd))  # noqa: E731
-    q = _conv(ops, proj(wq, "BTD,DQK->BTQK"), conv_q, segment_ids)
-    k = _conv(ops, proj(wk, "BTD,DQK->BTQK"), conv_k, segment_ids)
-    v = _conv(ops, proj(wv, "BTD,DNV->BTNV"), conv_v, segment_ids)
-    beta = jax.nn.sigmoid(proj(wb, "BTD,DN->BTN").astype(jnp.float32))
-    a = proj(wa, "BTD,DN->BTN").astype(jnp.float32)
-    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
-    o = _delta_rule(self.mixer, c, q, k, v, g, beta, segment_ids)  # [B, T, N, V]
-    z = proj(wz, "BTD,DNV->BTNV")
-    o = gated_rms_norm(o, z, scale, c.norm_eps, jax.nn.silu, cd)
-    out = jnp.einsum("BTNV,NVD->BTD", o, wo.astype(cd))
-    return checkpoint_name(constrain(out, _OUT_NAMES), "out_proj")
+    p = dict(
+      wq=wq,
+      wk=wk,
+      wv=wv,
+      wz=wz,
+      wb=wb,
+      wa=wa,
+      conv_q=conv_q,
+      conv_k=conv_k,
+      conv_v=conv_v,
+      dt_bias=dt_bias,
+      A_log=a_log,
+      norm_scale=scale,
+      wo=wo,
+    )
+    return _run(self.mixer, c, _gdn_parts(c), p, x, segment_ids)
+
+
+def _gdn_parts(c: ModelConfig) -> LinearParts:
+  """Gated DeltaNet as per-token functions of its params (lctx.parallel.linear_context)."""
+  cd = c.dtype
+
+  def project(p, x):
+    proj = lambda name, eq: jnp.einsum(eq, x, p[name].astype(cd))  # noqa: E731
+    beta = jax.nn.sigmoid(proj("wb", "BTD,DN->BTN").astype(jnp.float32))
+    a = proj("wa", "BTD,DN->BTN").astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+      a + p["dt_bias"].astype(jnp.float32)
+    )
+    q, k = proj("wq", "BTD,DQK->BTQK"), proj("wk", "BTD,DQK->BTQK")
+    return q, k, proj("wv", "BTD,DNV->BTNV"), g, beta
+
+  def finish(p, x, o):
+    z = jnp.einsum("BTD,DNV->BTNV", x, p["wz"].astype(cd))
+    o = gated_rms_norm(o, z, p["norm_scale"], c.norm_eps, jax.nn.silu, cd)
+    return jnp.einsum("BTNV,NVD->BTD", o, p["wo"].astype(cd))
+
+  return LinearParts(project=project, heads=functools.partial(_heads, c), finish=finish)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -173,7 +220,7 @@ class KimiDeltaAttention(nn.Module):
     c = self.config
     d, n = c.d_model, c.linear_num_value_heads
     kd, vd, w = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
-    pd, cd = c.param_dtype, c.dtype
+    pd = c.param_dtype
     init = fan_in_init([0], [1, 2])
     wq = param(self, "wq", init, (d, n, kd), ("embed", "heads", "head_dim"), pd)
     wk = param(self, "wk", init, (d, n, kd), ("embed", "heads", "head_dim"), pd)
@@ -194,20 +241,46 @@ class KimiDeltaAttention(nn.Module):
     scale = param(self, "norm_scale", nn.initializers.ones, (vd,), ("head_dim",), pd)
     wo = param(self, "wo", fan_in_init([0, 1], [2]), (n, vd, d), ("heads", "head_dim", "embed"), pd)
 
-    ops = linear_ops(self.mixer)
-    proj = lambda w_, eq: jnp.einsum(eq, x, w_.astype(cd))  # noqa: E731
-    q = _conv(ops, proj(wq, "BTD,DNK->BTNK"), conv_q, segment_ids)
-    k = _conv(ops, proj(wk, "BTD,DNK->BTNK"), conv_k, segment_ids)
-    v = _conv(ops, proj(wv, "BTD,DNV->BTNV"), conv_v, segment_ids)
-    beta = jax.nn.sigmoid(proj(wb, "BTD,DN->BTN").astype(jnp.float32))
-    f = jnp.einsum("BTK,KNJ->BTNJ", proj(wf_a, "BTD,DK->BTK"), wf_b.astype(cd))
-    f = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
-    g = -jnp.exp(a_log.astype(jnp.float32))[:, None] * jax.nn.softplus(f)  # [B, T, N, K]
-    o = _delta_rule(self.mixer, c, q, k, v, g, beta, segment_ids)  # [B, T, N, V]
-    gate = jnp.einsum("BTK,KNV->BTNV", proj(wg_a, "BTD,DK->BTK"), wg_b.astype(cd))
-    o = gated_rms_norm(o, gate, scale, c.norm_eps, jax.nn.sigmoid, cd)
-    out = jnp.einsum("BTNV,NVD->BTD", o, wo.astype(cd))
-    return checkpoint_name(constrain(out, _OUT_NAMES), "out_proj")
+    p = dict(
+      wq=wq,
+      wk=wk,
+      wv=wv,
+      conv_q=conv_q,
+      conv_k=conv_k,
+      conv_v=conv_v,
+      wb=wb,
+      wf_a=wf_a,
+      wf_b=wf_b,
+      dt_bias=dt_bias,
+      A_log=a_log,
+      wg_a=wg_a,
+      wg_b=wg_b,
+      norm_scale=scale,
+      wo=wo,
+    )
+    return _run(self.mixer, c, _kda_parts(c), p, x, segment_ids)
+
+
+def _kda_parts(c: ModelConfig) -> LinearParts:
+  """Kimi Delta Attention as per-token functions of its params."""
+  cd = c.dtype
+
+  def project(p, x):
+    proj = lambda name, eq: jnp.einsum(eq, x, p[name].astype(cd))  # noqa: E731
+    beta = jax.nn.sigmoid(proj("wb", "BTD,DN->BTN").astype(jnp.float32))
+    f = jnp.einsum("BTK,KNJ->BTNJ", proj("wf_a", "BTD,DK->BTK"), p["wf_b"].astype(cd))
+    f = f.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32))[:, None] * jax.nn.softplus(f)  # [B, T, N, K]
+    q, k = proj("wq", "BTD,DNK->BTNK"), proj("wk", "BTD,DNK->BTNK")
+    return q, k, proj("wv", "BTD,DNV->BTNV"), g, beta
+
+  def finish(p, x, o):
+    gate_a = jnp.einsum("BTD,DK->BTK", x, p["wg_a"].astype(cd))
+    gate = jnp.einsum("BTK,KNV->BTNV", gate_a, p["wg_b"].astype(cd))
+    o = gated_rms_norm(o, gate, p["norm_scale"], c.norm_eps, jax.nn.sigmoid, cd)
+    return jnp.einsum("BTNV,NVD->BTD", o, p["wo"].astype(cd))
+
+  return LinearParts(project=project, heads=functools.partial(_heads, c), finish=finish)
 
 
 def _log_uniform(lo: float, hi: float):

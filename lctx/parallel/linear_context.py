@@ -58,8 +58,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lctx.errors import ConfigError
+from lctx.kernels import flop_tags
 from lctx.kernels.delta_rule import delta_rule as delta_rule_kernel
 from lctx.kernels.delta_rule import delta_rule_summary
+from lctx.kernels.shard_typing import varying_like
 from lctx.kernels.short_conv import short_conv as short_conv_kernel
 from lctx.parallel.mesh import BATCH_AXES, LOGICAL_RULES, SEQ_AXES, mesh_shape, shard_map_over
 from lctx.parallel.validation import zigzag_ring_size
@@ -74,10 +76,13 @@ class LinearFns:
 
   short_conv(x, weight, bias, *, segment_ids, activation='silu') -> `[B, T, C]`
   delta_rule(q, k, v, g, beta, *, segment_ids) -> o `[B, T, N, V]` (q, k `[B, T, Q, H]`)
+  layer(parts, p, x, *, segment_ids, chunk_size) -> `[B, T, D]`: a whole linear layer
+    run over sequence chunks (`chunked_layer`)
   """
 
   short_conv: Callable
   delta_rule: Callable
+  layer: Callable | None = None
 
 
 def _present(mesh, axes):
@@ -271,21 +276,32 @@ def _delta_rule(q, k, v, g, beta, *, segment_ids, mesh, table, chunk_size):
 # ----------------------------------------------------------------------------
 # Short conv
 # ----------------------------------------------------------------------------
+def _predecessor_tails(x, seg, width: int, seq_axes, table: np.ndarray):
+  """Each local piece's halo: its natural predecessor's last `width` tokens of x
+  `[B, T, C]` and their segment ids, as `[(halo [B, width, C] in x.dtype, ids
+  [B, width] int32)]` per local piece, by one all-gather of every piece's tail.
+  Natural piece 0 has none: zeros with id 0, which its taps never read unless it
+  starts in padding."""
+  n_p = table.shape[1]
+  lp = x.shape[1] // n_p
+  tail = lambda a, i: a[:, (i + 1) * lp - width : (i + 1) * lp]  # noqa: E731
+  tails_x = jnp.stack([tail(x, i) for i in range(n_p)]).astype(jnp.float32)  # [pieces, B, w, C]
+  tails_id = jnp.stack([_ids_float(tail(seg, i)) for i in range(n_p)])  # [pieces, B, w]
+  all_x, all_id = _gather_natural([tails_x, tails_id], seq_axes, table)
+  halos = []
+  for j in _my_pieces(table, seq_axes):
+    prev = jnp.maximum(j - 1, 0)
+    halo = jnp.where(j > 0, all_x[prev], 0.0).astype(x.dtype)
+    halos.append((halo, jnp.where(j > 0, all_id[prev], 0.0).astype(jnp.int32)))
+  return halos
+
+
 def _conv_local(x, weight, bias, seg, *, seq_axes, table, activation):
   n_p = table.shape[1]
   lp = x.shape[1] // n_p
-  w = weight.shape[0]
-  tail = lambda a, i: a[:, (i + 1) * lp - (w - 1) : (i + 1) * lp]  # noqa: E731
-  tails_x = jnp.stack([tail(x, i) for i in range(n_p)]).astype(jnp.float32)  # [pieces, B, W-1, C]
-  tails_id = jnp.stack([_ids_float(tail(seg, i)) for i in range(n_p)])  # [pieces, B, W-1]
-  all_x, all_id = _gather_natural([tails_x, tails_id], seq_axes, table)
+  halos = _predecessor_tails(x, seg, weight.shape[0] - 1, seq_axes, table)
   outs = []
-  for i, j in enumerate(_my_pieces(table, seq_axes)):
-    # The halo is the natural predecessor's tail; natural piece 0 has none (zeros
-    # with id 0, which its taps never read unless it starts in padding).
-    prev = jnp.maximum(j - 1, 0)
-    halo = jnp.where(j > 0, all_x[prev], 0.0).astype(x.dtype)
-    halo_ids = jnp.where(j > 0, all_id[prev], 0.0).astype(jnp.int32)
+  for i, (halo, halo_ids) in enumerate(halos):
     outs.append(
       short_conv_kernel(
         x[:, i * lp : (i + 1) * lp],
@@ -324,6 +340,208 @@ def _short_conv(x, weight, bias, *, segment_ids, activation, mesh, table):
   return shard_map_over(local, mesh, specs, P(batch, seq, ch))(x, weight, bias, seg)
 
 
+# ----------------------------------------------------------------------------
+# The whole layer over sequence chunks
+# ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LinearParts:
+  """A linear layer as three per-token functions of its params `p` (a dict that
+  holds `conv_q`, `conv_k`, `conv_v` `[W, C]`), for `chunked_layer`:
+
+    project(p, x `[B, s, D]`) -> (q, k `[B, s, Q, H]`, v `[B, s, N, V]` before the
+      conv, g, beta), the raw projections and the gates
+    heads(p, q, k, v) -> (q, k, v) after the conv: what the delta rule reads (norms,
+      scaling, dtype)
+    finish(p, x `[B, s, D]`, o `[B, s, N, V]`) -> out `[B, s, D]`
+  """
+
+  project: Callable
+  heads: Callable
+  finish: Callable
+
+
+_CONVS = ("conv_q", "conv_k", "conv_v")
+
+
+def _conv_chunk(raw, weight, seg, halo, halo_ids):
+  """The conv + SiLU of one chunk's raw projection `[B, s, H, K]` from the W-1 raw
+  tokens before it (halo `[B, W-1, H*K]`)."""
+  b, s, h, k = raw.shape
+  with flop_tags.linear_scope():
+    y = short_conv_kernel(
+      raw.reshape(b, s, h * k),
+      weight,
+      None,
+      segment_ids=seg,
+      activation="silu",
+      halo=halo,
+      halo_segment_ids=halo_ids,
+    )
+  return y.reshape(b, s, h, k)
+
+
+def _roll_tail(halo, new, width: int):
+  """The last `width` tokens of halo + new along axis 1."""
+  return jnp.concatenate([halo, new], axis=1)[:, -width:]
+
+
+def _chunk_inputs(parts, p, xc, sc, halos, halo_ids):
+  """One chunk's delta-rule inputs: (q, k, v, g, beta) and the chunk's raw tails."""
+  raw_q, raw_k, raw_v, g, beta = parts.project(p, xc)
+  w1 = halo_ids.shape[1]
+  convs, tails = [], []
+  for raw, name, halo in zip((raw_q, raw_k, raw_v), _CONVS, halos):
+    convs.append(_conv_chunk(raw, p[name], sc, halo, halo_ids))
+    tails.append(_roll_tail(halo, raw.reshape(*raw.shape[:2], -1).astype(halo.dtype), w1))
+  q, k, v = parts.heads(p, *convs)
+  return (q, k, v, g, beta), tuple(tails), _roll_tail(halo_ids, sc, w1)
+
+
+def _as_chunks(a, chunk: int):
+  """`[B, L, ...]` -> `[L / chunk, B, chunk, ...]` (scan axis first)."""
+  return jnp.moveaxis(a.reshape(a.shape[0], a.shape[1] // chunk, chunk, *a.shape[2:]), 1, 0)
+
+
+def _layer_local(p, x, seg, *, parts, seq_axes, table, chunk, dr_chunk):
+  """One device's pieces of a linear layer, chunk by chunk (see `chunked_layer`)."""
+  n_p = table.shape[1]
+  lp = x.shape[1] // n_p
+  w1 = p["conv_q"].shape[0] - 1
+  xs = [_as_chunks(x[:, i * lp : (i + 1) * lp], chunk) for i in range(n_p)]
+  ss = [_as_chunks(seg[:, i * lp : (i + 1) * lp], chunk) for i in range(n_p)]
+  # The raw projections of each piece's halo (its natural predecessor's last W-1
+  # tokens of x): the conv of the piece's first chunk reads them.
+  if table.size > 1:
+    halos = _predecessor_tails(x, seg, w1, seq_axes, table)
+  else:  # one piece: nothing before it (zeros with id 0, as for natural piece 0)
+    b0 = x.shape[0]
+    halos = [(jnp.zeros((b0, w1, x.shape[2]), x.dtype), jnp.zeros((b0, w1), seg.dtype))]
+  starts = []
+  for halo_x, halo_ids in halos:
+    raw = parts.project(p, halo_x)[:3]
+    starts.append((tuple(r.reshape(*r.shape[:2], -1) for r in raw), halo_ids))
+  firsts = [ss[i][0][:, 0] for i in range(n_p)]  # [B]: each piece's first id
+  b = x.shape[0]
+  n, v_dim, h = _state_dims(parts, p, x[:, :1])
+
+  def carry_like(c):
+    return jax.tree.map(lambda a: varying_like(a, x, seg), c)
+
+  s_ins = [None] * n_p
+  if table.size > 1:
+    # Pass 1: each piece's summary [C | A], composed chunk by chunk.
+    def summary_step(carry, inp):
+      summ, halos, halo_ids, last = carry
+      xc, sc = inp
+      (_, k, v, g, beta), tails, ids = _chunk_inputs(parts, p, xc, sc, halos, halo_ids)
+      cont = (sc[:, 0] == last).astype(jnp.float32)[:, None, None, None]
+      with flop_tags.linear_scope():
+        summ = delta_rule_summary(
+          k, v, g, beta, segment_ids=sc, chunk_size=dr_chunk, initial_summary=summ * cont
+        )
+      return (summ, tails, ids, sc[:, -1]), None
+
+    start = jnp.concatenate(
+      [
+        jnp.zeros((b, n, h, v_dim), jnp.float32),
+        jnp.broadcast_to(jnp.eye(h, dtype=jnp.float32), (b, n, h, h)),
+      ],
+      axis=-1,
+    )
+    summaries = []
+    for i in range(n_p):
+      carry = carry_like((start, starts[i][0], starts[i][1], firsts[i]))
+      step = jax.checkpoint(summary_step, prevent_cse=False)
+      summaries.append(jax.lax.scan(step, carry, (xs[i], ss[i]))[0][0])
+    first = _ids_float(jnp.stack(firsts))
+    last = _ids_float(jnp.stack([ss[i][-1][:, -1] for i in range(n_p)]))
+    s_ins = list(_incoming_states(jnp.stack(summaries), first, last, seq_axes, table, v_dim))
+
+  # Pass 2: the outputs, each chunk from the state the one before it left.
+  def out_step(carry, inp):
+    state, halos, halo_ids, last = carry
+    xc, sc = inp
+    (q, k, v, g, beta), tails, ids = _chunk_inputs(parts, p, xc, sc, halos, halo_ids)
+    cont = (sc[:, 0] == last).astype(jnp.float32)[:, None, None, None]
+    with flop_tags.linear_scope():
+      o, state = delta_rule_kernel(
+        q, k, v, g, beta, segment_ids=sc, initial_state=state * cont, chunk_size=dr_chunk
+      )
+    return (state, tails, ids, sc[:, -1]), parts.finish(p, xc, o)
+
+  outs = []
+  for i in range(n_p):
+    if s_ins[i] is None:
+      s_ins[i] = jnp.zeros((b, n, h, v_dim), jnp.float32)
+    carry = carry_like((s_ins[i], starts[i][0], starts[i][1], firsts[i]))
+    step = jax.checkpoint(out_step, prevent_cse=False)
+    out = jax.lax.scan(step, carry, (xs[i], ss[i]))[1]  # [chunks, B, chunk, D]
+    outs.append(jnp.moveaxis(out, 0, 1).reshape(x.shape[0], lp, -1))
+  return jnp.concatenate(outs, axis=1)
+
+
+def _state_dims(parts, p, x1):
+  """(N, V, H) of the layer's state, read from its projections' shapes (no FLOPs run)."""
+  q, _, v, _, _ = jax.eval_shape(lambda a: parts.project(p, a), x1)
+  return v.shape[2], v.shape[3], q.shape[3]
+
+
+def chunk_tokens(piece: int, chunk_size: int | None) -> int:
+  """The tokens per chunk for pieces of `piece` tokens: chunk_size (None or
+  larger than the piece: the whole piece). Refuses a chunk that does not divide
+  the piece (ConfigError). Any chunk length works with the conv: each chunk reads
+  the W-1 raw tokens before it, carried from the chunks before."""
+  chunk = piece if not chunk_size or chunk_size >= piece else int(chunk_size)
+  if piece % chunk:
+    raise ConfigError(
+      f"[linear-chunk] linear_chunk_size ({chunk}) must divide each piece's {piece} "
+      "tokens (the sequence per device, halved under zigzag)"
+    )
+  return chunk
+
+
+def chunked_layer(
+  parts, p, x, *, segment_ids=None, chunk_size=None, mesh=None, table=None, dr_chunk=64
+):
+  """A whole linear layer (`LinearParts`) on x `[B, T, D]`, run over sequence
+  chunks of `chunk_size` tokens so that no per-token value other than x, the
+  output and their cotangents spans the sequence.
+
+  Each piece (a device's shard, or its two zigzag halves) runs a `lax.scan` over
+  its chunks: project, conv (the W-1 raw tokens before the chunk carried), delta
+  rule (the state carried), finish. Under context parallelism a first scan
+  composes the piece's summary [C | A] chunk by chunk (the same projections, k
+  and v only), the state prefix gives each piece its incoming state, and the
+  second scan runs from it. Both scan bodies are rematerialised, so the backward
+  keeps one carry per chunk (a state `[B, N, H, V]` float32) and recomputes the
+  chunk. Values and gradients equal the unchunked layer's. mesh None: one device.
+  """
+  b, t, _ = x.shape
+  if mesh is None:
+    table = np.zeros((1, 1), int)
+  else:
+    lp = _check_layout(mesh, b, t, table, "linear layer")
+    w = p["conv_q"].shape[0]
+    if table.size > 1 and lp < w - 1:
+      raise ConfigError(
+        f"[conv-halo] linear layer: each device's pieces hold {lp} tokens, fewer than the "
+        f"conv's W-1 = {w - 1} halo tokens; use a longer sequence or fewer context devices"
+      )
+  seg = (
+    jnp.ones((b, t), jnp.int32)
+    if segment_ids is None
+    else jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, t))
+  )
+  chunk = chunk_tokens(t // table.size, chunk_size)
+  local = functools.partial(_layer_local, parts=parts, table=table, chunk=chunk, dr_chunk=dr_chunk)
+  if mesh is None:
+    return local(p, x, seg, seq_axes=None)
+  batch, seq = _present(mesh, BATCH_AXES), _present(mesh, SEQ_AXES)
+  specs = (jax.tree.map(lambda _: P(), p), P(batch, seq, None), P(batch, seq))
+  local = functools.partial(local, seq_axes=seq)
+  return shard_map_over(local, mesh, specs, P(batch, seq, None))(p, x, seg)
+
+
 def make_linear_fns(mesh, *, load_balance: bool, chunk_size: int = 64) -> LinearFns:
   """The linear-attention plug-in for the model: `LinearFns` over `mesh`.
 
@@ -349,7 +567,20 @@ def make_linear_fns(mesh, *, load_balance: bool, chunk_size: int = 64) -> Linear
       q, k, v, g, beta, segment_ids=segment_ids, mesh=mesh, table=table, chunk_size=chunk_size
     )
 
-  return LinearFns(short_conv=short_conv, delta_rule=delta_rule)
+  def layer(parts, p, x, *, segment_ids=None, chunk_size=None):
+    return chunked_layer(
+      parts,
+      p,
+      x,
+      segment_ids=segment_ids,
+      chunk_size=chunk_size,
+      mesh=mesh,
+      table=table,
+      dr_chunk=dr_chunk,
+    )
+
+  dr_chunk = chunk_size
+  return LinearFns(short_conv=short_conv, delta_rule=delta_rule, layer=layer)
 
 
 # ----------------------------------------------------------------------------

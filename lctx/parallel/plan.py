@@ -75,6 +75,9 @@ class _LinearFnsOnUse:
   def delta_rule(self, *args, **kwargs):
     return self.fns.delta_rule(*args, **kwargs)
 
+  def layer(self, *args, **kwargs):
+    return self.fns.layer(*args, **kwargs)
+
 
 @dataclasses.dataclass(frozen=True)
 class ContextPlan:

@@ -236,3 +236,41 @@ def test_planner_prices_linear_layers_apart_from_attention():
       bd.linear_buffers + bd.mlp_backward,
     )
   )
+
+
+def test_planner_prices_sequence_chunks():
+  """linear_chunk_size: the linear layer's backward holds one chunk's working set
+  plus x-sized values instead of its delta-rule inputs over the whole sequence; its
+  inner tensors are never saved; its chunk bodies' forward runs again."""
+  seq, mesh = 1 << 22, {"context": 64}
+  whole, chunked = _exp(seq), _exp(seq, linear_chunk_size=2048)
+  target = hardware.parse_target("v5p:4x4x4")
+  got = {}
+  for name, exp in (("whole", whole), ("chunked", chunked)):
+    setup = planner.make_setup(exp, strategy="ring", mesh=mesh, remat_policy="full")
+    got[name] = planner.evaluate(planner.model_dims(exp.model), setup, target, model=exp.model)
+  m = chunked.model
+  tokens = seq // 64
+  d, a = m.d_model, 2
+  per_token = (
+    (
+      2 * m.linear_num_key_heads * m.linear_key_head_dim
+      + m.linear_num_value_heads * m.linear_value_head_dim
+    )
+    * 2
+    * a
+  )
+  per_token += 2 * m.linear_num_value_heads * 2 * 4  # fmt: skip
+  buf = lambda n: got[n]["breakdown"]["linear_buffers"]  # noqa: E731
+  # Whole: the delta-rule inputs and cotangents of every local token; chunked: of
+  # 2,048 tokens, plus three x-sized values (two passes' cotangents, the outputs).
+  assert buf("whole") >= tokens * per_token
+  assert (
+    3 * tokens * d * a
+    <= buf("chunked")
+    < buf("whole") - (tokens - 2048) * per_token + 3 * tokens * d * a + 1
+  )
+  sizes = lambda name: linear_layers.tensor_bytes_per_token(name, m, 1, a)  # noqa: E731
+  assert sizes("query_proj") == sizes("attention_out") == 0 and sizes("out_proj") == d * a
+  extra = lambda n: got[n]["step_time"]["flops_per_device"]["linear_extra"]  # noqa: E731
+  assert extra("chunked") > extra("whole")

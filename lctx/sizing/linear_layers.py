@@ -82,8 +82,16 @@ def summary_flops_per_token(model, chunk: int = models_config.LINEAR_CHUNK) -> f
   return n * per_chunk / c
 
 
+def _seq_chunk(model) -> int | None:
+  """ModelConfig.linear_chunk_size (None: the layer runs whole)."""
+  return getattr(model, "linear_chunk_size", None) or None
+
+
 def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:
-  """Bytes per token of one linear layer's tensor `name` (a remat tag or 'residuals')."""
+  """Bytes per token of one linear layer's tensor `name` (a remat tag or 'residuals').
+  Over sequence chunks (linear_chunk_size) the mixer keeps none of its inner tensors
+  (the chunk bodies are rematerialised): its inner tags and its share of the
+  residuals are 0."""
   d, q_heads = model.d_model, model.linear_num_key_heads
   n = model.linear_num_value_heads / tp if model.linear_num_value_heads % tp == 0 else None
   n = n or model.linear_num_value_heads
@@ -108,6 +116,10 @@ def tensor_bytes_per_token(name: str, model, tp: int, a: int) -> float:
     + d * a
     + f * a,
   }
+  if _seq_chunk(model):
+    for inner in ("query_proj", "key_proj", "value_proj", "attention_out"):
+      sizes[inner] = 0.0
+    sizes["residuals"] = 2 * d * (F32 + a) + d * a + f * a
   return sizes[name]
 
 
@@ -122,12 +134,25 @@ def linear_buffer_bytes(model, setup, rows: int, tokens: int) -> float:
   pieces = 2 if setup.strategy in ("ring", "usp") and setup.axis("context") > 1 else 1
   # q, k (Q heads), v and their cotangents in the compute dtype; g, beta in f32.
   per_token = (2 * qh * k + n * v) * 2 * a + 2 * n * 2 * F32
-  chunks = tokens / rows / pieces / models_config.LINEAR_CHUNK
-  states = rows * pieces * _scan_states(chunks) * n * k * v * F32
-  out = tokens * per_token + states
+  summary = n * k * (k + v) * F32
+  piece = tokens / rows / pieces
+  seq_chunk = _seq_chunk(model)
+  if seq_chunk and seq_chunk < piece:
+    # Over sequence chunks (linear_context.chunked_layer): one chunk's working set,
+    # one carried state per chunk (and summary, under context parallelism), and
+    # the stacked outputs and x's cotangent of each pass over the whole sequence.
+    chunks = seq_chunk / models_config.LINEAR_CHUNK
+    out = rows * seq_chunk * per_token + rows * _scan_states(chunks) * n * k * v * F32
+    out += tokens / seq_chunk * n * k * v * F32
+    out += tokens * model.d_model * a * (3 if ways > 1 else 2)
+    if ways > 1:
+      out += rows * _scan_states(chunks) * summary + tokens / seq_chunk * summary
+  else:
+    chunks = piece / models_config.LINEAR_CHUNK
+    out = tokens * per_token + rows * pieces * _scan_states(chunks) * n * k * v * F32
+    if ways > 1:
+      out += rows * pieces * _scan_states(chunks) * summary  # the summary pass's chunk states
   if ways > 1:
-    summary = n * k * (k + v) * F32
-    out += rows * pieces * _scan_states(chunks) * summary  # the summary pass's chunk states
     # The state prefix (linear_context._incoming_states): each of its log2(pieces)
     # rounds keeps the local maps and the ones it received for the backward.
     rounds = math.ceil(math.log2(ways * pieces))
@@ -146,13 +171,26 @@ def flops_per_token(model, setup, kept: set[str]) -> dict[str, float]:
   if not layers:
     return {"extra": 0.0, "recompute": 0.0}
   mixer = models_config.linear_mixer_flops(model)
-  levels = _scan_levels(_chunks_per_piece(setup))
+  d, hq, hv = model.d_model, model.linear_num_key_heads, model.linear_num_value_heads
+  k, v = model.linear_key_head_dim, model.linear_value_head_dim
+  chunks = _chunks_per_piece(setup)
+  seq_chunk = _seq_chunk(model)
+  if seq_chunk:
+    chunks = min(chunks, seq_chunk / models_config.LINEAR_CHUNK)
+  levels = _scan_levels(chunks)
   extra = levels * mixer  # the chunk body's (and the group's) rematerialised forwards
   if setup.context_degree > 1:
     extra += (3 + levels) * summary_flops_per_token(model)  # forward, remat levels, backward
-  d, hq, hv = model.d_model, model.linear_num_key_heads, model.linear_num_value_heads
-  k, v = model.linear_key_head_dim, model.linear_value_head_dim
+  if seq_chunk:
+    # The sequence chunks' bodies run their forward again in the backward: every
+    # projection and the mixer; under context parallelism the summary pass also
+    # projects k, v, a and b (forward, that recompute and the backward's two).
+    extra += 2 * d * (2 * hq * k + 2 * hv * v + 2 * hv) + 2 * hv * v * d + mixer
+    if setup.context_degree > 1:
+      extra += 4 * 2 * d * (hq * k + hv * v + 2 * hv)
   recompute = 0.0
+  if seq_chunk:  # the mixer's inner tags are not placed over sequence chunks
+    kept = set(kept) - {"query_proj", "key_proj", "value_proj", "attention_out"}
   if setup.remat_policy != "none":
     proj = {"query_proj": 2 * d * hq * k, "key_proj": 2 * d * hq * k, "value_proj": 2 * d * hv * v}
     proj["out_proj"] = 2 * hv * v * d
@@ -165,6 +203,8 @@ def flops_per_token(model, setup, kept: set[str]) -> dict[str, float]:
       recompute += mixer
       if setup.context_degree > 1:
         recompute += summary_flops_per_token(model)
+        if seq_chunk:  # the summary pass projects k, v, a and b again
+          recompute += 2 * d * (hq * k + hv * v + 2 * hv)
   return {"extra": layers * extra, "recompute": layers * recompute}
 
 

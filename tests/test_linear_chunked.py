@@ -119,7 +119,7 @@ def test_one_device_chunks_equal_whole(kind):
 SLOW = pytest.mark.slow
 MESHES = [
   ("gdn", dict(context=8), True),
-  ("kda", dict(context=2, context_ulysses=4), False),
+  pytest.param("kda", dict(context=2, context_ulysses=4), False, marks=SLOW),
   pytest.param("gdn", dict(tensor=2, context=4), True, marks=SLOW),
   pytest.param("kda", dict(fsdp=2, context=4), True, marks=SLOW),
   pytest.param("gdn", dict(data=2, context=2, context_ulysses=2), True, marks=SLOW),

@@ -186,6 +186,38 @@ def test_compiled_hybrid_counts_its_linear_layers(compiled):
   assert linear_layers.exchange_bytes(exp.model, setup, 1) == 3 * 3 * per_layer
 
 
+@pytest.fixture(scope="module")
+def compiled_chunked():
+  """The same hybrid with its linear layers over sequence chunks of 64 tokens
+  (linear_chunk_size: 4 chunks a zigzag piece)."""
+  from lctx.sizing import compile as compile_lib  # pylint: disable=g-import-not-at-top
+
+  exp = _exp(remat_policy="none", linear_chunk_size=64)
+  with jax.default_matmul_precision("default"):
+    record = compile_lib.compile_step(exp, topology="v5p:2x2x1")
+  return exp, record
+
+
+def test_compiled_chunked_hybrid_counts_its_linear_layers(compiled, compiled_chunked):
+  """Over sequence chunks: the same model, the same state prefix, one halo of x's
+  W-1 tokens (D channels) in place of the three conv halos, and more linear work
+  (each chunk body's forward again in the backward; the summary pass)."""
+  exp, r = compiled_chunked
+  _, whole = compiled
+  assert r["fits"] and r["unknown_trip_count_loops"] == 0
+  assert r["model_flops_per_device"] == whole["model_flops_per_device"]
+  assert r["linear_flops_per_device"] > whole["linear_flops_per_device"]
+  prefix = state_exchange_bytes(
+    batch=1, heads=4, key_dim=64, value_dim=64, ways=CONTEXT, load_balance=True
+  )["prefix_bytes"]
+  halo = state_exchange_bytes(
+    batch=1, heads=0, key_dim=0, value_dim=0, ways=CONTEXT, load_balance=True, conv_channels=256
+  )["halo_bytes"]
+  kinds = r["linear_collective_bytes_by_kind"]
+  assert kinds["all-gather"] == 3 * halo, (kinds, halo)
+  assert 3 * prefix < kinds["collective-permute"] <= 3 * 2 * prefix, (kinds, prefix)
+
+
 @pytest.mark.xfail(
   strict=True,
   reason="measured: the planner reads 46.5 MiB for this tiny hybrid, the compiler "

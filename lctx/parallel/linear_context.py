@@ -412,7 +412,8 @@ def _layer_local(p, x, seg, *, parts, seq_axes, table, chunk, dr_chunk):
   # The raw projections of each piece's halo (its natural predecessor's last W-1
   # tokens of x): the conv of the piece's first chunk reads them.
   if table.size > 1:
-    halos = _predecessor_tails(x, seg, w1, seq_axes, table)
+    with flop_tags.linear_scope():  # sizing counts the layer's exchange apart
+      halos = _predecessor_tails(x, seg, w1, seq_axes, table)
   else:  # one piece: nothing before it (zeros with id 0, as for natural piece 0)
     b0 = x.shape[0]
     halos = [(jnp.zeros((b0, w1, x.shape[2]), x.dtype), jnp.zeros((b0, w1), seg.dtype))]
@@ -455,7 +456,8 @@ def _layer_local(p, x, seg, *, parts, seq_axes, table, chunk, dr_chunk):
       summaries.append(jax.lax.scan(step, carry, (xs[i], ss[i]))[0][0])
     first = _ids_float(jnp.stack(firsts))
     last = _ids_float(jnp.stack([ss[i][-1][:, -1] for i in range(n_p)]))
-    s_ins = list(_incoming_states(jnp.stack(summaries), first, last, seq_axes, table, v_dim))
+    with flop_tags.linear_scope():
+      s_ins = list(_incoming_states(jnp.stack(summaries), first, last, seq_axes, table, v_dim))
 
   # Pass 2: the outputs, each chunk from the state the one before it left.
   def out_step(carry, inp):

@@ -200,7 +200,8 @@ class ModelConfig:
     the layer's input and output spans the sequence (lctx.parallel.linear_context
     `chunked_layer`; the backward recomputes one chunk at a time). It must divide
     each piece (the tokens per device, halved under zigzag); larger: one chunk
-    per piece. None = whole, the remat tags inside the layer apply."""
+    per piece. Heads are not split over `tensor` inside it (each tensor device
+    computes every head). None = whole, the remat tags inside the layer apply."""
   attention_output_gate: bool = False
   """Full attention scales its output per channel by sigmoid(x Wg) before the
     output projection (Qwen3.5 / Qwen3-Next: q_proj also produces the gate);

@@ -405,7 +405,7 @@ def _as_chunks(a, chunk: int):
 def _layer_local(p, x, seg, *, parts, seq_axes, table, chunk, dr_chunk):
   """One device's pieces of a linear layer, chunk by chunk (see `chunked_layer`)."""
   n_p = table.shape[1]
-  lp = x.shape[1] // n_p
+  b, lp = x.shape[0], x.shape[1] // n_p
   w1 = p["conv_q"].shape[0] - 1
   xs = [_as_chunks(x[:, i * lp : (i + 1) * lp], chunk) for i in range(n_p)]
   ss = [_as_chunks(seg[:, i * lp : (i + 1) * lp], chunk) for i in range(n_p)]
@@ -415,14 +415,12 @@ def _layer_local(p, x, seg, *, parts, seq_axes, table, chunk, dr_chunk):
     with flop_tags.linear_scope():  # sizing counts the layer's exchange apart
       halos = _predecessor_tails(x, seg, w1, seq_axes, table)
   else:  # one piece: nothing before it (zeros with id 0, as for natural piece 0)
-    b0 = x.shape[0]
-    halos = [(jnp.zeros((b0, w1, x.shape[2]), x.dtype), jnp.zeros((b0, w1), seg.dtype))]
+    halos = [(jnp.zeros((b, w1, x.shape[2]), x.dtype), jnp.zeros((b, w1), seg.dtype))]
   starts = []
   for halo_x, halo_ids in halos:
     raw = parts.project(p, halo_x)[:3]
     starts.append((tuple(r.reshape(*r.shape[:2], -1) for r in raw), halo_ids))
   firsts = [ss[i][0][:, 0] for i in range(n_p)]  # [B]: each piece's first id
-  b = x.shape[0]
   n, v_dim, h = _state_dims(parts, p, x[:, :1])
 
   def carry_like(c):
@@ -478,7 +476,7 @@ def _layer_local(p, x, seg, *, parts, seq_axes, table, chunk, dr_chunk):
     carry = carry_like((s_ins[i], starts[i][0], starts[i][1], firsts[i]))
     step = jax.checkpoint(out_step, prevent_cse=False)
     out = jax.lax.scan(step, carry, (xs[i], ss[i]))[1]  # [chunks, B, chunk, D]
-    outs.append(jnp.moveaxis(out, 0, 1).reshape(x.shape[0], lp, -1))
+    outs.append(jnp.moveaxis(out, 0, 1).reshape(b, lp, -1))
   return jnp.concatenate(outs, axis=1)
 
 
@@ -517,6 +515,9 @@ def chunked_layer(
   second scan runs from it. Both scan bodies are rematerialised, so the backward
   keeps one carry per chunk (a state `[B, N, H, V]` float32) and recomputes the
   chunk. Values and gradients equal the unchunked layer's. mesh None: one device.
+
+  The params enter replicated: under `tensor` > 1 every tensor device computes
+  every head of the layer (the unchunked ops shard heads over tensor).
   """
   b, t, _ = x.shape
   if mesh is None:

@@ -297,11 +297,7 @@ def test_planner_prices_sequence_chunks():
   # Whole: the delta-rule inputs and cotangents of every local token; chunked: of
   # 2,048 tokens, plus three x-sized values (two passes' cotangents, the outputs).
   assert buf("whole") >= tokens * per_token
-  assert (
-    3 * tokens * d * a
-    <= buf("chunked")
-    < buf("whole") - (tokens - 2048) * per_token + 3 * tokens * d * a + 1
-  )
+  assert 3 * tokens * d * a <= buf("chunked") < buf("whole") / 2
   sizes = lambda name: linear_layers.tensor_bytes_per_token(name, m, 1, a)  # noqa: E731
   assert sizes("query_proj") == sizes("attention_out") == 0 and sizes("out_proj") == d * a
   extra = lambda n: got[n]["step_time"]["flops_per_device"]["linear_extra"]  # noqa: E731

@@ -284,6 +284,7 @@ FREE = {
   "remat_group_inner_inputs": "offload",
   "layer_input_pieces": 2,
   "mlp_chunk_size": 4,
+  "linear_chunk_size": 4,
   "sliding_window": 4,
   "partial_rotary_factor": 0.5,
   "mla_rope": False,

@@ -227,8 +227,11 @@ def test_chunked_mlp_matches_unchunked(overrides):
   want_loss, want_grads = _loss_and_grads(config, params)
   got_loss, got_grads = _loss_and_grads(dataclasses.replace(config, mlp_chunk_size=5), params)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+  # Each gradient within 1e-5 of its largest entry: float32 sums in other orders
+  # (the hybrid's differ by up to 2.6e-6 of it; an entry near 0 can differ by
+  # more than 1e-5 of itself).
   jax.tree.map(
-    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max()),
     nn.unbox(got_grads),
     nn.unbox(want_grads),
   )

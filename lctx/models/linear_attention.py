@@ -18,6 +18,13 @@ context parallelism: halos and state exchange); without them, the
 single-device kernels. Both restart at every packed-document boundary
 (segment ids) and give 0 at padding.
 
+With ModelConfig.linear_chunk_size the layer runs whole over sequence chunks
+(the mixer's `layer` op, lctx.parallel.linear_context.chunked_layer: the state and
+the conv's last W-1 tokens carried), from the same per-token parts
+(`LinearParts`: project, heads, finish), so only x and the output span the
+sequence; the remat tags inside the layer are then not placed (its chunk bodies
+are rematerialised).
+
 Remat tags (ModelConfig.REMAT_TAGS): query_proj / key_proj / value_proj on what
 the delta rule consumes (q and k with their Q heads), attention_out on its
 output, out_proj on the layer's. Every per-token tensor over the whole sequence
@@ -42,13 +49,12 @@ from jax.ad_checkpoint import checkpoint_name
 from lctx.kernels import flop_tags
 from lctx.models.config import ModelConfig
 from lctx.models.layers import constrain, fan_in_init, param
-from lctx.parallel.linear_context import LinearParts, chunked_layer
+from lctx.parallel.linear_context import CONV_PARAMS, LinearParts, chunked_layer
 from lctx.parallel.mixer import as_mixer
 
 _L2_EPS = 1e-6  # transformers' l2norm (and fla's)
 _QK_NAMES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 _OUT_NAMES = ("act_batch", "act_seq", "act_embed")
-_CONVS = ("conv_q", "conv_k", "conv_v")
 
 
 class _LocalLinearOps:
@@ -72,7 +78,7 @@ class _LocalLinearOps:
 
 
 def linear_ops(mixer):
-  """The mixer's linear ops (short_conv, delta_rule), or the single-device kernels."""
+  """The mixer's linear ops (short_conv, delta_rule, layer), or the single-device kernels."""
   ops = as_mixer(mixer).linear
   return _LocalLinearOps if ops is None else ops
 
@@ -123,7 +129,7 @@ def _run(mixer, c: ModelConfig, parts: LinearParts, p: dict, x, segment_ids):
     out = ops.layer(parts, p, x, segment_ids=segment_ids, chunk_size=c.linear_chunk_size)
     return checkpoint_name(constrain(out, _OUT_NAMES), "out_proj")
   raw_q, raw_k, raw_v, g, beta = parts.project(p, x)
-  convs = [_conv(ops, r, p[n], segment_ids) for r, n in zip((raw_q, raw_k, raw_v), _CONVS)]
+  convs = [_conv(ops, r, p[n], segment_ids) for r, n in zip((raw_q, raw_k, raw_v), CONV_PARAMS)]
   q, k, v = (constrain(t, _QK_NAMES) for t in parts.heads(p, *convs))
   q, k, v = (
     checkpoint_name(q, "query_proj"),

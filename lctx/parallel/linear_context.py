@@ -360,7 +360,7 @@ class LinearParts:
   finish: Callable
 
 
-_CONVS = ("conv_q", "conv_k", "conv_v")
+CONV_PARAMS = ("conv_q", "conv_k", "conv_v")  # the conv weights LinearParts' p holds
 
 
 def _conv_chunk(raw, weight, seg, halo, halo_ids):
@@ -390,7 +390,7 @@ def _chunk_inputs(parts, p, xc, sc, halos, halo_ids):
   raw_q, raw_k, raw_v, g, beta = parts.project(p, xc)
   w1 = halo_ids.shape[1]
   convs, tails = [], []
-  for raw, name, halo in zip((raw_q, raw_k, raw_v), _CONVS, halos):
+  for raw, name, halo in zip((raw_q, raw_k, raw_v), CONV_PARAMS, halos):
     convs.append(_conv_chunk(raw, p[name], sc, halo, halo_ids))
     tails.append(_roll_tail(halo, raw.reshape(*raw.shape[:2], -1).astype(halo.dtype), w1))
   q, k, v = parts.heads(p, *convs)

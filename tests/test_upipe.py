@@ -160,25 +160,28 @@ def test_zigzag_permute_local_matches_the_host_reorder(ring, ways):
 
 
 @pytest.mark.parametrize(
-  "strategy,mesh_name,n,kh,chunks",
+  "strategy,mesh_name,n,kh,chunks,gate",
   [
-    ("ulysses", "d2c4", 8, 8, 2),  # MHA
-    ("ulysses", "d2c4", 16, 8, 4),  # GQA, u < G: 2 q stages per kv head
-    pytest.param("ulysses", "d2c4", 16, 4, 2, marks=pytest.mark.slow),  # GQA, u = G
-    pytest.param("usp", "usp2x4", 8, 4, 2, marks=pytest.mark.slow),  # each stage a ring
+    ("ulysses", "d2c4", 8, 8, 2, False),  # MHA
+    # GQA, u < G: 2 q stages per kv head; Qwen3.5's output gate projected per stage
+    ("ulysses", "d2c4", 16, 8, 4, True),
+    pytest.param("ulysses", "d2c4", 16, 4, 2, False, marks=pytest.mark.slow),  # GQA, u = G
+    pytest.param("usp", "usp2x4", 8, 4, 2, False, marks=pytest.mark.slow),  # each stage a ring
+    pytest.param("usp", "usp2x4", 16, 4, 4, True, marks=pytest.mark.slow),  # gated, u < G
   ],
 )
-def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chunks):
-  """ContextOptions.stage_projections: the attention layer projecting q/k/v and
-  the output one head stage at a time equals the layer run whole (plain strategy)
-  and the plain-jnp reference, values and gradients (input and weights), packed."""
+def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chunks, gate):
+  """ContextOptions.stage_projections: the attention layer projecting q/k/v (and
+  with attention_output_gate its gate) and the output one head stage at a time
+  equals the layer run whole (plain strategy) and the plain-jnp reference, values
+  and gradients (input and weights), packed."""
   from lctx.models.attention import GQAAttention, reference_attention_fn
   from lctx.models.config import ModelConfig
 
   mesh = helpers.mesh(mesh_name)
   cfg = ModelConfig(
     vocab_size=64, d_model=32, num_layers=1, num_heads=n, num_kv_heads=kh, head_dim=8,
-    mlp_dim=64, dtype="float32", param_dtype="float32",
+    mlp_dim=64, dtype="float32", param_dtype="float32", attention_output_gate=gate,
   )  # fmt: skip
   b, t = 2, 32
   x = jax.random.normal(jax.random.key(1), (b, t, cfg.d_model))
@@ -187,6 +190,7 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
   staged = SequenceMixer(attention=plain, head_stages=stage_heads(mesh, strategy, chunks))
   assert staged.head_stages(n, kh)[0].shape == (chunks, n // chunks)
   params = GQAAttention(cfg, reference_attention_fn).init(jax.random.key(0), x, seg, pos)
+  assert ("wg" in params["params"]) == gate
 
   def run(fn):
     layer = GQAAttention(cfg, fn)

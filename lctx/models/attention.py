@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lctx import kernels
-from lctx.errors import ConfigError
 from lctx.kernels.remat_tags import TAGS_ATTRIBUTE
 from lctx.models.config import ModelConfig, rotary_dim
 from lctx.models.layers import constrain, fan_in_init, norm_of, param
@@ -129,20 +128,17 @@ class GQAAttention(nn.Module):
       probe = jnp.zeros((h,), c.dtype)
       norm = lambda name: norm_of(c, name, "head_dim")(probe, as_function=True)  # noqa: E731
       norms = (norm("q_norm"), norm("k_norm"))
-    gate = None
-    if c.attention_output_gate:
+    wg = None
+    if c.attention_output_gate:  # Qwen3.5's output gate, per head and channel
       wg = param(self, "wg", init, (d, n, h), ("embed", "heads", "head_dim"), c.param_dtype)
-      gate = jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", x, wg.astype(c.dtype)))
     head_stages = as_mixer(self.mixer).head_stages
     if head_stages is not None:
-      if gate is not None:
-        raise ConfigError(
-          "[head-chunks] ContextOptions.stage_projections does not project "
-          "attention_output_gate's gate by stages; use ContextOptions.head_chunks alone"
-        )
       return self._by_head_stages(
-        x, segment_ids, positions, (wq, wk, wv, wo), biases, norms, *head_stages(n, kh)
+        x, segment_ids, positions, (wq, wk, wv, wo), biases, norms, wg, *head_stages(n, kh)
       )
+    gate = None
+    if wg is not None:
+      gate = jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", x, wg.astype(c.dtype)))
     q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(c.dtype))
     k = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(c.dtype))
     v = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(c.dtype))
@@ -150,7 +146,7 @@ class GQAAttention(nn.Module):
       q, k, v = (t + b.astype(c.dtype) for t, b in zip((q, k, v), biases))
     out = self._attend(q, k, v, segment_ids, positions, norms, tag=True)
     out = _tag_out(_attention_call(self.mixer, self.window_size), out)  # [B, T, N, H]
-    if gate is not None:  # Qwen3.5's output gate, per head and channel
+    if gate is not None:
       out = out * gate.astype(out.dtype)
     return checkpoint_name(jnp.einsum("BTNH,NHD->BTD", out, wo.astype(c.dtype)), "out_proj")
 
@@ -177,38 +173,44 @@ class GQAAttention(nn.Module):
     )
     return constrain(out, _Q_NAMES)
 
-  def _by_head_stages(self, x, segment_ids, positions, weights, biases, norms, q_heads, kv_heads):
+  def _by_head_stages(
+    self, x, segment_ids, positions, weights, biases, norms, wg, q_heads, kv_heads
+  ):
     """UPipe with per-stage projections (ContextOptions.stage_projections).
 
     Stage g projects only its q heads `q_heads[g]` and kv heads `kv_heads[g]`
     (lctx.parallel.upipe.head_stages: the heads each device receives in that
     stage's all-to-all), runs the plug-in on them and adds its share of the
-    output projection. The stages are a scan whose body checkpoints everything
-    but the running sum, so forward and backward hold one stage's q/k/v/out and
-    the layer's `[B, T, D]` output, never the layer's whole q or attention
-    output. Shapes: q_heads `[S, N/S]`, kv_heads `[S, M]` int arrays.
+    output projection. With attention_output_gate (wg not None) the stage also
+    projects its q heads' gate and multiplies its attention output by it. The
+    stages are a scan whose body checkpoints everything but the running sum, so
+    forward and backward hold one stage's q/k/v/gate/out and the layer's
+    `[B, T, D]` output, never the layer's whole q, gate or attention output.
+    Shapes: q_heads `[S, N/S]`, kv_heads `[S, M]` int arrays.
     """
     c = self.config
     wq, wk, wv, wo = (w.astype(c.dtype) for w in weights)
     nq, m = q_heads.shape[1], kv_heads.shape[1]
-    # One [D, (N/S + 2M) H] matrix per stage: q, k and v come out of one matmul,
-    # so the backward forms dx in one matmul, not three [B, T, D] terms summed.
+    # One [D, (N/S + 2M (+ N/S)) H] matrix per stage: q, k, v (and the gate) come
+    # out of one matmul, so the backward forms dx in one matmul, not several
+    # [B, T, D] terms summed.
+    blocks = [(wq, q_heads), (wk, kv_heads), (wv, kv_heads)]
+    if wg is not None:
+      blocks.append((wg.astype(c.dtype), q_heads))
     w_qkv = jnp.concatenate(
-      [w[:, idx].reshape(w.shape[0], -1, idx.shape[1] * w.shape[2]) for w, idx in
-       ((wq, q_heads), (wk, kv_heads), (wv, kv_heads))],
+      [w[:, idx].reshape(w.shape[0], -1, idx.shape[1] * w.shape[2]) for w, idx in blocks],
       axis=-1,
-    )  # fmt: skip
+    )
     h = wq.shape[2]
-    # [S, D, (N/S + 2M) H], [S, N/S, H, D] (and the biases [S, (N/S + 2M) H])
+    # [S, D, F], [S, N/S, H, D] (and the biases [S, F]); F = (N/S + 2M (+ N/S)) H
     per_stage = (jnp.moveaxis(w_qkv, 1, 0), wo[q_heads])
     if biases is not None:
       bq, bk, bv = (b.astype(c.dtype) for b in biases)
-      b_qkv = jnp.concatenate(
-        [b[idx].reshape(idx.shape[0], -1) for b, idx in
-         ((bq, q_heads), (bk, kv_heads), (bv, kv_heads))],
-        axis=-1,
-      )  # fmt: skip
-      per_stage += (b_qkv,)
+      b_blocks = [b[idx].reshape(idx.shape[0], -1) for b, idx in
+                  ((bq, q_heads), (bk, kv_heads), (bv, kv_heads))]  # fmt: skip
+      if wg is not None:  # the gate has no bias
+        b_blocks.append(jnp.zeros((q_heads.shape[0], nq * h), c.dtype))
+      per_stage += (jnp.concatenate(b_blocks, axis=-1),)
 
     @jax.checkpoint
     def stage_out(w):
@@ -216,10 +218,14 @@ class GQAAttention(nn.Module):
       qkv = jnp.einsum("BTD,DF->BTF", x, w_qkv_g)
       if len(w) > 2:
         qkv = qkv + w[2]
-      q = qkv[..., : nq * h].reshape(qkv.shape[:2] + (nq, h))
-      k = qkv[..., nq * h : (nq + m) * h].reshape(qkv.shape[:2] + (m, h))
-      v = qkv[..., (nq + m) * h :].reshape(qkv.shape[:2] + (m, h))
+      lead = qkv.shape[:2]
+      q = qkv[..., : nq * h].reshape(lead + (nq, h))
+      k = qkv[..., nq * h : (nq + m) * h].reshape(lead + (m, h))
+      v = qkv[..., (nq + m) * h : (nq + 2 * m) * h].reshape(lead + (m, h))
       out = self._attend(q, k, v, segment_ids, positions, norms)  # [B, T, N/S, H]
+      if wg is not None:  # the stage's gate: the last N/S H columns
+        gate = jax.nn.sigmoid(qkv[..., (nq + 2 * m) * h :].reshape(lead + (nq, h)))
+        out = out * gate.astype(out.dtype)
       return jnp.einsum("BTNH,NHD->BTD", out, wo_g)
 
     # The sum is outside the checkpoint: its backward needs no stage's input.

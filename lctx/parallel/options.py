@@ -37,9 +37,9 @@ class ContextOptions:
       group at a time, buffers reused; lctx/parallel/upipe.py). None or 1: all
       heads at once.
     stage_projections: with head_chunks, each stage also projects its own
-      q/k/v heads and its share of the output projection
-      (lctx/models/attention.py), so the layer's whole q, attention output and
-      their gradients are never held; K/V are re-projected and re-exchanged for
+      q/k/v heads (and attention_output_gate's gate) and its share of the
+      output projection (lctx/models/attention.py), so the layer's whole q,
+      gate, attention output and their gradients are never held; K/V are re-projected and re-exchanged for
       every q stage. False: the stages slice the layer's projected q/k/v and
       exchange K/V once per GQA group.
     sub_chunks: ring only: cut each hop into sub_chunks x sub_chunks (q, kv)

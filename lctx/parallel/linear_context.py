@@ -316,15 +316,19 @@ def _conv_local(x, weight, bias, seg, *, seq_axes, table, activation):
   return jnp.concatenate(outs, axis=1)
 
 
+def _check_conv_halo(lp: int, w: int, what: str) -> None:
+  """`[conv-halo]`: a piece of lp tokens must hold the W-1 tokens the next one reads."""
+  if lp < w - 1:
+    raise ConfigError(
+      f"[conv-halo] {what}: each device's pieces hold {lp} tokens, fewer than the "
+      f"conv's W-1 = {w - 1} halo tokens; use a longer sequence or fewer context devices"
+    )
+
+
 def _short_conv(x, weight, bias, *, segment_ids, activation, mesh, table):
   b, t, c = x.shape
   lp = _check_layout(mesh, b, t, table, "short_conv")
-  w = weight.shape[0]
-  if lp < w - 1:
-    raise ConfigError(
-      f"[conv-halo] short_conv: each device's pieces hold {lp} tokens, fewer than the "
-      f"kernel's W-1 = {w - 1} halo tokens; use a longer sequence or fewer context devices"
-    )
+  _check_conv_halo(lp, weight.shape[0], "short_conv")
   seg = (
     jnp.ones((b, t), jnp.int32)
     if segment_ids is None
@@ -524,12 +528,8 @@ def chunked_layer(
     table = np.zeros((1, 1), int)
   else:
     lp = _check_layout(mesh, b, t, table, "linear layer")
-    w = p["conv_q"].shape[0]
-    if table.size > 1 and lp < w - 1:
-      raise ConfigError(
-        f"[conv-halo] linear layer: each device's pieces hold {lp} tokens, fewer than the "
-        f"conv's W-1 = {w - 1} halo tokens; use a longer sequence or fewer context devices"
-      )
+    if table.size > 1:
+      _check_conv_halo(lp, p["conv_q"].shape[0], "linear layer")
   seg = (
     jnp.ones((b, t), jnp.int32)
     if segment_ids is None

@@ -30,11 +30,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 HEAVY_FIRST = (
   "test_strategies_hybrid.py",
   "test_gin_configs.py",
-  "test_compile.py",
   "test_kernels_splash.py",
   "test_context_strategies.py",
   "test_models.py",
   "test_planner.py",
+  "test_compile.py",  # 236 -> 139 s alone on 2026-12-07 (docs/benchmarks.md)
   "test_remat.py",
   "test_main_cli.py",
   "test_kernels_delta_rule.py",

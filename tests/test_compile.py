@@ -106,7 +106,20 @@ def _topology_of(path):
   return topology
 
 
-@pytest.mark.parametrize("path", sorted(SMALL_SLICE))
+# Under the slow mark: files whose small-slice compile repeats what the default run
+# compiles elsewhere. After TINY and the small meshes, ring_v5p.gin and
+# allgather_v5p.gin are ulysses_v5p.gin with another strategy; ring on v5p is
+# compiled by tests/test_main_cli.py (ring_v5p.gin itself, on its own slice),
+# tests/test_planner.py and tests/test_sizing_linear.py, all_gather on v5p by
+# tests/test_planner.py (twice). usp_ironwood.gin is usp (long_v5p.gin here, and
+# tests/test_planner.py's usp on tpu7x:2x2x1) on tpu7x (long_ironwood.gin here).
+SLOW_SLICE = {"gin/ring_v5p.gin", "gin/allgather_v5p.gin", "gin/usp_ironwood.gin"}
+
+
+@pytest.mark.parametrize(
+  "path",
+  [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_SLICE else p for p in sorted(SMALL_SLICE)],
+)
 def test_tpu_gin_file_compiles_for_its_kind(path, tmp_path, capsys):
   """Each TPU gin file through `--mode=compile` (run_compile) on a small slice of
   the kind its header names: its strategy and mesh axes, a tiny model in the
@@ -344,6 +357,9 @@ def test_auto_never_takes_the_cpu_kernel_on_a_tpu_mesh():
       "MeshConfig.context = 1",
       "TrainConfig.batch_size = 4",
       "TrainConfig.context_parallel_strategy = 'auto'",
+      # One layer at 1,024 tokens: the kernel choice does not depend on the size.
+      "ModelConfig.num_layers = 1",
+      "TrainConfig.seq_len = 1024",
     ],
   )
   mesh = mesh_lib.make_mesh(exp.mesh, devices=tpu_lib.topology_devices("v5p:2x2x1"))

@@ -394,7 +394,8 @@ FUSED_STRATEGY_CASES = [
   ("all_gather", "t2c4", "gqa16", 1024, True),
   ("ulysses", "t2c4", "mha16", 512, False),
   ("ring", "d2c4", "gqa16", 1024, True),
-  ("usp", "usp2x4", "mha16", 1024, True),
+  # usp's zigzag is over its ring of 2: 512 tokens are 4 chunks of 128.
+  ("usp", "usp2x4", "mha16", 512, True),
 ]
 
 
@@ -524,7 +525,7 @@ def _no_blockwise(monkeypatch):
     monkeypatch.setattr(flash, name, no_blockwise)
 
 
-@pytest.mark.slow  # the default suite compiles ring_v5p.gin on a small slice (test_compile.py)
+@pytest.mark.slow  # the default suite compiles ring_v5p.gin on its own slice (test_main_cli.py)
 def test_ring_flagship_compiles_with_splash_for_tpu(monkeypatch):
   hlo = _compiled_train_step("gin/ring_v5p.gin", monkeypatch)
   assert compile_lib.attention_backend_of(hlo) == "splash"

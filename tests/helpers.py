@@ -19,6 +19,34 @@ TINY_LLAMA = dict(
 )
 
 
+# The tiny linear-attention layers (lctx ModelConfig fields, d_model 32) that
+# tests/test_linear_attention.py checks against transformers and
+# tests/test_linear_chunked.py runs over sequence chunks.
+TINY_LINEAR = {
+  "gdn": dict(
+    d_model=32,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    norm_eps=1e-6,
+  ),
+  "kda": dict(
+    d_model=32,
+    num_heads=4,
+    linear_attention="kda",
+    linear_num_key_heads=4,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    norm_eps=1e-5,
+  ),
+}
+
+
 def save_tiny_llama(path: str, *, random_norms: bool = False, **save_kwargs) -> str:
   """A random TINY_LLAMA (torch seed 0) saved by transformers under `path`.
 

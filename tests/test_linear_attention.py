@@ -3,6 +3,7 @@ own layers on the same random weights (values and input gradients within 2e-4),
 and the packing property: a packed row gives each document the outputs and
 gradients it gets alone."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,27 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 D, T = 32, 80  # two delta-rule chunks, the second partial
-GDN = ModelConfig(
-  d_model=D,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  linear_num_key_heads=2,
-  linear_num_value_heads=4,
-  linear_key_head_dim=8,
-  linear_value_head_dim=12,
-  norm_eps=1e-6,
-)
-KDA = ModelConfig(
-  d_model=D,
-  num_heads=4,
-  linear_attention="kda",
-  linear_num_key_heads=4,
-  linear_num_value_heads=4,
-  linear_key_head_dim=8,
-  linear_value_head_dim=8,
-  norm_eps=1e-5,
-)
+GDN = ModelConfig(**helpers.TINY_LINEAR["gdn"])
+KDA = ModelConfig(**helpers.TINY_LINEAR["kda"])
+assert GDN.d_model == KDA.d_model == D
 
 
 def _hf_layer(kind):

@@ -7,6 +7,7 @@ pieces' edges, on one device and under context parallelism (zigzag and natural).
 import dataclasses
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,27 +23,9 @@ from lctx.parallel.validation import zigzag_ring_size
 from lctx.parallel.zigzag import zigzag_inverse, zigzag_reorder
 
 D, T = 32, 256
-GDN = ModelConfig(
-  d_model=D,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  linear_num_key_heads=2,
-  linear_num_value_heads=4,
-  linear_key_head_dim=8,
-  linear_value_head_dim=12,
-  norm_eps=1e-6,
-)
-KDA = ModelConfig(
-  d_model=D,
-  num_heads=4,
-  linear_attention="kda",
-  linear_num_key_heads=4,
-  linear_num_value_heads=4,
-  linear_key_head_dim=8,
-  linear_value_head_dim=8,
-  norm_eps=1e-5,
-)
+GDN = ModelConfig(**helpers.TINY_LINEAR["gdn"])
+KDA = ModelConfig(**helpers.TINY_LINEAR["kda"])
+assert GDN.d_model == KDA.d_model == D
 KINDS = {"gdn": GDN, "kda": KDA}
 
 

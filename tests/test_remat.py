@@ -401,7 +401,8 @@ def test_upipe_stages_replay_attention_unless_kept():
   """UPipe's head stages (ContextOptions.head_chunks) are checkpoints of their
   own: with remat 'none' the compiled step runs the attention forward once more
   than plain ulysses, 'full' once more again, and 'save_attention_out' (the kept
-  output and lse) neither. Ulysses on a v5p slice, context 4, splash."""
+  output and lse) neither; the same with stage_projections and the output gate.
+  Ulysses on a v5p slice, context 4, splash."""
   import jax
 
   from lctx.parallel import mesh as mesh_lib
@@ -419,19 +420,31 @@ def test_upipe_stages_replay_attention_unless_kept():
   )
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=1, context=4), devices=devices)
   flops = {}
-  for chunks, policy in ((None, "none"), (2, "none"), (2, "full"), (2, "save_attention_out")):
+  cases = (
+    (None, "none", False),
+    (2, "none", False),
+    (2, "full", False),
+    (2, "save_attention_out", False),
+    # Stages that project their own q/k/v (and output gate): the same rule.
+    (2, "full", True),
+    (2, "save_attention_out", True),
+  )
+  for chunks, policy, staged in cases:
     train = TrainConfig(
       batch_size=1,
       seq_len=4096,
       context_parallel_strategy="ulysses",
-      context_options=ContextOptions(head_chunks=chunks),
+      context_options=ContextOptions(head_chunks=chunks, stage_projections=staged),
     )
-    trainer = Trainer(dataclasses.replace(small, remat_policy=policy), train, mesh)
+    model = dataclasses.replace(small, remat_policy=policy, attention_output_gate=staged)
+    trainer = Trainer(model, train, mesh)
     with jax.default_matmul_precision("default"):
       hlo = trainer.lower_train_step().compile().as_text()
-    flops[chunks, policy] = hlo_flops.matmul_flops(hlo)["attention_flops"]
-  plain = flops[None, "none"]
-  fwd = flops[2, "none"] - plain  # the forward each stage's checkpoint replays
+    flops[chunks, policy, staged] = hlo_flops.matmul_flops(hlo)["attention_flops"]
+  plain = flops[None, "none", False]
+  fwd = flops[2, "none", False] - plain  # the forward each stage's checkpoint replays
   assert fwd > 0.2 * plain, flops
-  assert flops[2, "full"] - flops[2, "none"] == pytest.approx(fwd, rel=1e-9), flops
-  assert flops[2, "save_attention_out"] == pytest.approx(plain, rel=1e-9), flops
+  assert flops[2, "full", False] - flops[2, "none", False] == pytest.approx(fwd, rel=1e-9), flops
+  assert flops[2, "save_attention_out", False] == pytest.approx(plain, rel=1e-9), flops
+  assert flops[2, "full", True] == pytest.approx(flops[2, "full", False], rel=1e-9), flops
+  assert flops[2, "save_attention_out", True] == pytest.approx(plain, rel=1e-9), flops

@@ -167,7 +167,8 @@ def test_zigzag_permute_local_matches_the_host_reorder(ring, ways):
     ("ulysses", "d2c4", 16, 8, 4, True),
     pytest.param("ulysses", "d2c4", 16, 4, 2, False, marks=pytest.mark.slow),  # GQA, u = G
     pytest.param("usp", "usp2x4", 8, 4, 2, False, marks=pytest.mark.slow),  # each stage a ring
-    pytest.param("usp", "usp2x4", 16, 4, 4, True, marks=pytest.mark.slow),  # gated, u < G
+    # gated, u < G, with q/k/v biases (random: the gate's columns take none)
+    pytest.param("usp", "usp2x4", 16, 4, 4, "bias", marks=pytest.mark.slow),
   ],
 )
 def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chunks, gate):
@@ -181,7 +182,8 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
   mesh = helpers.mesh(mesh_name)
   cfg = ModelConfig(
     vocab_size=64, d_model=32, num_layers=1, num_heads=n, num_kv_heads=kh, head_dim=8,
-    mlp_dim=64, dtype="float32", param_dtype="float32", attention_output_gate=gate,
+    mlp_dim=64, dtype="float32", param_dtype="float32", attention_output_gate=bool(gate),
+    qkv_bias=gate == "bias",
   )  # fmt: skip
   b, t = 2, 32
   x = jax.random.normal(jax.random.key(1), (b, t, cfg.d_model))
@@ -190,7 +192,13 @@ def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chu
   staged = SequenceMixer(attention=plain, head_stages=stage_heads(mesh, strategy, chunks))
   assert staged.head_stages(n, kh)[0].shape == (chunks, n // chunks)
   params = GQAAttention(cfg, reference_attention_fn).init(jax.random.key(0), x, seg, pos)
-  assert ("wg" in params["params"]) == gate
+  assert ("wg" in params["params"]) == bool(gate)
+  if gate == "bias":  # zeros at init: draw them, so a misplaced bias shows
+    layer = dict(params["params"])
+    for i, name in enumerate(("bq", "bk", "bv")):
+      box = layer[name]  # flax's LogicallyPartitioned
+      layer[name] = box.replace_boxed(jax.random.normal(jax.random.key(2 + i), box.value.shape))
+    params = {"params": layer}
 
   def run(fn):
     layer = GQAAttention(cfg, fn)

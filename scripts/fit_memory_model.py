@@ -303,6 +303,11 @@ def record_full_size(gin_file: str, workdir: str) -> dict:
     "topology": rec["topology"],
     "kernel": rec["attention_backend"],
     "total_gib": round(per_device["total_bytes"] / GiB, 2),
+    "allocated_gib": (
+      round(rec["allocated_hbm_bytes_per_device"] / GiB, 2)
+      if rec.get("fits_figure") == "allocation"
+      else None
+    ),
     "fitted": old.get("fitted", True),
     "libtpu_version": rec.get("libtpu_version"),
     "devices": rec.get("devices"),

@@ -50,7 +50,13 @@ def _compiler(r: dict) -> str:
 
 def figure_line(r: dict) -> str:
   """The one header line of a record's current figures."""
-  memory = f"{r['total_gib']:.2f} GiB per device of {r['hbm_gib']:.2f}"
+  if r.get("allocated_gib") is not None:  # fits judged by the compiler's check
+    memory = (
+      f"{r['allocated_gib']:.2f} GiB of HBM allocated per device of {r['hbm_gib']:.2f} "
+      f"(memory_analysis {r['total_gib']:.2f})"
+    )
+  else:
+    memory = f"{r['total_gib']:.2f} GiB per device of {r['hbm_gib']:.2f}"
   if r.get("host_gib"):
     memory += f" and {r['host_gib']:,.0f} GiB of pinned host"
   return (
@@ -77,6 +83,19 @@ def rewrite_header(text: str, line: str, name: str = "gin file") -> str:
   return "\n".join(lines)
 
 
+def _per_device(r: dict) -> str:
+  """The table's memory cell: the figure `fits` was judged by. Records since
+  2026-12-07 carry the buffer assignment's HBM allocation (the compiler's own
+  check), shown with memory_analysis' total beside it; older ones memory_analysis'
+  total alone (at least the allocation)."""
+  if r.get("allocated_gib") is not None:
+    return (
+      f"{r['allocated_gib']:.2f} GiB allocated (of {r['hbm_gib']:.2f}; "
+      f"memory_analysis {r['total_gib']:.2f})"
+    )
+  return f"{r['total_gib']:.2f} GiB (of {r['hbm_gib']:.2f})"
+
+
 def readme_table(records: dict[str, dict]) -> str:
   rows = [
     "| gin file | target | tokens per step | strategy | kernel | per device (of HBM) "
@@ -91,7 +110,7 @@ def readme_table(records: dict[str, dict]) -> str:
     )
     rows.append(
       f"| `{gin_file}` | {where} | {r['tokens_per_step']:,} | {r['strategy']} | {r['kernel']} "
-      f"| {r['total_gib']:.2f} GiB (of {r['hbm_gib']:.2f}) | {_step(r['step_seconds_estimate'])} |"
+      f"| {_per_device(r)} | {_step(r['step_seconds_estimate'])} |"
     )
   return "\n".join(rows)
 

@@ -83,3 +83,15 @@ def test_figure_line_states_the_record():
   assert "74.06 GiB per device of 79.11 and 144 GiB of pinned host" in line
   assert "step ~8.5 h" in line
   assert "step ~451 s" in w.figure_line(dict(r, step_seconds_estimate=451))
+
+
+def test_a_record_judged_by_its_allocation_shows_it_with_memory_analysis_beside():
+  w = _writer()
+  r = json.load(open(os.path.join(ROOT, w.RECORDS_FILE)))["gin/ring_v5p.gin"]
+  judged = dict(r, allocated_gib=81.5, total_gib=104.25)
+  line = w.figure_line(judged)
+  assert "81.50 GiB of HBM allocated per device of 95.74 (memory_analysis 104.25)" in line
+  row = w.readme_table({"gin/ring_v5p.gin": judged}).split("\n")[-1]
+  assert "| 81.50 GiB allocated (of 95.74; memory_analysis 104.25) |" in row
+  for old in (r, dict(r, allocated_gib=None)):  # records from before carry the total alone
+    assert f"| {r['total_gib']:.2f} GiB (of 95.74) |" in w.readme_table({"g": old})

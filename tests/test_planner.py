@@ -424,6 +424,7 @@ def test_record_adds_a_compile_json_and_refuses_one_that_does_not_fit(tmp_path, 
     "topology": "v5p:2x2x1",
     "kernel": "splash",
     "total_gib": 3.25,
+    "allocated_gib": None,  # judged by memory_analysis (no fits_figure)
     "fitted": True,
     "libtpu_version": "0.0.42.1",
     "devices": 4,
@@ -451,6 +452,16 @@ def test_record_adds_a_compile_json_and_refuses_one_that_does_not_fit(tmp_path, 
     "| `gin/ring_v5p.gin` | `v5p:2x2x1` (4 devices) | 65,536 | ring | splash | 3.25 GiB"
     in (figures / "README.md").read_text()
   )
+  # A TPU record judged by its allocation (the compiler's check) carries it.
+  judged = dict(rec, fits_figure="allocation", allocated_hbm_bytes_per_device=5 * GiB // 2)
+  (tmp_path / "c" / "compile.json").write_text(json.dumps(judged))
+  assert fit.record_full_size(str(figures / "gin/ring_v5p.gin"), str(tmp_path / "c")) == dict(
+    out, allocated_gib=2.5
+  )
+  header = (figures / "gin/ring_v5p.gin").read_text()
+  assert "2.50 GiB of HBM allocated per device of 95.74 (memory_analysis 3.25)" in header
+  (tmp_path / "c" / "compile.json").write_text(json.dumps(rec))
+  fit.record_full_size(str(figures / "gin/ring_v5p.gin"), str(tmp_path / "c"))
   (tmp_path / "c" / "compile.json").write_text(json.dumps(dict(rec, fits=False)))
   with pytest.raises(ValueError, match="not a train-step compile that fits"):
     fit.record_full_size(str(figures / "gin/ring_v5p.gin"), str(tmp_path / "c"))

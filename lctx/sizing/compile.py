@@ -483,12 +483,20 @@ def compile_step(exp, *, topology: str, num_slices: int = 1, step: str = "train"
     )
   record["allocated_hbm_bytes_per_device"] = allocated.get("hbm_bytes")
   record["allocated_temp_bytes_per_device"] = allocated.get("temp_bytes")
+  record["generated_code_bytes_per_device"] = int(
+    getattr(compiled.memory_analysis(), "generated_code_size_in_bytes", 0) or 0
+  )
   # The HBM figure `fits` is judged by. On TPU: the buffer assignment's HBM
-  # allocation (arguments, outputs, the temporary heap), which is what the
-  # compiler's own out-of-memory check measures and what the executable
-  # allocates; memory_analysis()' temporaries exceed it on programs with loops,
-  # and the compiler accepts programs whose memory_analysis total is far above
-  # the HBM (tests/test_compile.py::test_the_compilers_hbm_check_is_the_buffer_assignment;
+  # allocation (arguments, outputs, the temporary heap). The TPU compiler checks
+  # HBM twice and refuses a program that fails either: before code generation
+  # the allocation itself ("HLO temporaries (X G) exceeds available HBM"), after
+  # it the allocation plus the program's code overlays ("CompileTimeHbmOom ...
+  # Used X of Y hbm", its breakdown in the dump's
+  # *oom_top_memory_consuming_instructions). A program it accepted therefore
+  # allocates no more than the HBM. memory_analysis()' temporaries exceed the
+  # allocation on programs with loops, and the compiler accepts programs whose
+  # memory_analysis total is far above the HBM
+  # (tests/test_compile.py::test_the_compilers_hbm_check_is_the_buffer_assignment;
   # docs/memory.md). Without the dump, and on GPU (whose compiler has no such
   # check), memory_analysis' total.
   if accel.platform == "tpu" and allocated.get("hbm_bytes"):
@@ -518,8 +526,9 @@ def compile_step(exp, *, topology: str, num_slices: int = 1, step: str = "train"
       f"memory_analysis() reports {_gib(per_device['total_bytes'])} GiB per device (temporaries "
       f"{_gib(per_device['temp_bytes'])} GiB), more than the {_gib(hbm)} GiB of HBM; the "
       f"buffer assignment allocates {_gib(checked)} GiB (temporary heap "
-      f"{_gib(allocated.get('temp_bytes'))} GiB). The compiler's out-of-memory check measures "
-      "the allocation and accepted the program; fits is judged by it (docs/memory.md)"
+      f"{_gib(allocated.get('temp_bytes'))} GiB). The compiler's out-of-memory checks measure "
+      "the allocation (and after code generation its code overlays besides) and accepted the "
+      "program; fits is judged by the allocation (docs/memory.md)"
     )
   return record
 

@@ -193,8 +193,8 @@ def _allocated(dump_dir: str, program: str = "train_step") -> dict[str, Any]:
   `hbm_bytes`: every HBM allocation (arguments, the temporary heap, constants),
   the "Total bytes" of the default memory space in the memory-usage report;
   `temp_bytes`: the preallocated temporary heap in HBM. `hbm_bytes` is the figure
-  the compiler's own out-of-memory check measures, and the one `fits` is judged by
-  (docs/memory.md);
+  the compiler's first out-of-memory check measures (its second adds the code
+  overlays) and the one `fits` is judged by (docs/memory.md);
   `largest_buffers`: the largest slots of that memory and the values sharing
   them (the report is written even when the compile runs out of memory).
   """
@@ -454,7 +454,8 @@ def compile_step(exp, *, topology: str, num_slices: int = 1, step: str = "train"
       ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "host_bytes"), None
     )
     # The compiler's figure for the whole program (see _HBM_OOM): the buffer
-    # assignment's HBM allocation, whose report is written before the refusal.
+    # assignment's HBM allocation when its first check refuses, the allocation
+    # plus the code overlays when the second (after code generation) does.
     record["per_device"]["total_bytes"] = needed
     record["allocated_hbm_bytes_per_device"] = allocated.get("hbm_bytes")
     record["allocated_temp_bytes_per_device"] = allocated.get("temp_bytes")

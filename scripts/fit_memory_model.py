@@ -325,7 +325,13 @@ def record_full_size(gin_file: str, workdir: str) -> dict:
     f.write("{\n")
     rows = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in records.items()]
     f.write(",\n".join(rows) + "\n}\n")
-  print(f"wrote {gin_file} ({records[gin_file]['total_gib']} GiB) to {FULL_SIZE_FILE}")
+  r = records[gin_file]
+  memory = (
+    f"{r['allocated_gib']} GiB allocated, memory_analysis {r['total_gib']}"
+    if r["allocated_gib"] is not None
+    else f"{r['total_gib']} GiB"
+  )
+  print(f"wrote {gin_file} ({memory}) to {FULL_SIZE_FILE}")
   for name in write_gin_figures.write([gin_file], root=FIGURES_ROOT, records=records):
     print(f"wrote its figures to {name}")
   return records[gin_file]

@@ -158,7 +158,7 @@ STRATEGY_COLLECTIVES = {
 
 # Hardware files whose shrunk lowering is under the slow mark: gin/long_hybrid_v5p.gin
 # differs from gin/long_hybrid_ironwood.gin only in its slice, its context size
-# (both shrink to the same mesh), its memory budget and a half as long sequence,
+# (both shrink to the same mesh), its memory budget and a shorter sequence,
 # so on 8 CPU devices the two lower the same model, mesh and strategy (the
 # ironwood file, at the longer sequence, in the default run).
 SLOW_LOWER = {"gin/long_hybrid_v5p.gin"}

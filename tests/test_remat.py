@@ -203,10 +203,15 @@ def _tpu_memory(
 
 
 def test_tpu_offload_moves_layer_inputs_to_host():
-  d, layers, tok = TPU.d_model, TPU.num_layers, TOKENS_PER_DEVICE
+  # 4,096 tokens per device: at 1,024 the inputs (1 MiB per layer) are smaller than
+  # what scheduling moves about, and since the loss reduce-scatters the
+  # unembedding's gradient (lctx/loss.py) 'full' compiles to fewer temporaries
+  # there than 'offload_layer_inputs' (30.9 against 35.0 MB; 190.9 against 100.6
+  # at 4,096).
+  d, layers, tok = TPU.d_model, TPU.num_layers, 4 * TOKENS_PER_DEVICE
   inputs_bytes = layers * tok * d * 2  # bf16 layer inputs of every layer, per device
-  full = _tpu_memory("full")
-  offload = _tpu_memory("offload_layer_inputs")
+  full = _tpu_memory("full", seq_len=tok)
+  offload = _tpu_memory("offload_layer_inputs", seq_len=tok)
   assert full.host_temp_size_in_bytes == 0
   assert offload.host_temp_size_in_bytes == inputs_bytes
   assert offload.temp_size_in_bytes < full.temp_size_in_bytes

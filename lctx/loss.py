@@ -10,6 +10,7 @@ mesh with no batch or sequence axis, the plain SPMD path runs instead.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,10 +60,7 @@ def cross_entropy(
   batch_axes = tuple(a for a in mesh_lib.BATCH_AXES if a in axes) or None
   seq_axes = tuple(a for a in mesh_lib.SEQ_AXES if a in axes) or None
   tokens = P(batch_axes, seq_axes)
-  ways = 1
-  for a in axes:
-    ways *= shape[a]
-  split = unembed.shape[0] % ways == 0
+  split = unembed.shape[0] % math.prod(shape[a] for a in axes) == 0  # d_model rows per device
 
   def local(h, u, t, w, norm):
     if split:

@@ -103,8 +103,10 @@ class GQAAttention(nn.Module):
   window_size: int | None = None
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions):
-    """x `[B, T, D]` -> `[B, T, D]`."""
+  def __call__(self, x, segment_ids, positions, pre=None):
+    """x `[B, T, D]` -> `[B, T, D]`. pre: an optional per-token function applied
+    to x first (the layer's RMSNorm); with head stages each stage applies it
+    inside its checkpoint, so the normed `[B, T, D]` is not kept through them."""
     c = self.config
     d, n, kh, h = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     init = fan_in_init([0], [1, 2])
@@ -134,8 +136,10 @@ class GQAAttention(nn.Module):
     head_stages = as_mixer(self.mixer).head_stages
     if head_stages is not None:
       return self._by_head_stages(
-        x, segment_ids, positions, (wq, wk, wv, wo), biases, norms, wg, *head_stages(n, kh)
+        x, segment_ids, positions, (wq, wk, wv, wo), biases, norms, wg, *head_stages(n, kh), pre
       )
+    if pre is not None:
+      x = pre(x)
     gate = None
     if wg is not None:
       gate = jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", x, wg.astype(c.dtype)))
@@ -174,7 +178,7 @@ class GQAAttention(nn.Module):
     return constrain(out, _Q_NAMES)
 
   def _by_head_stages(
-    self, x, segment_ids, positions, weights, biases, norms, wg, q_heads, kv_heads
+    self, x, segment_ids, positions, weights, biases, norms, wg, q_heads, kv_heads, pre=None
   ):
     """UPipe with per-stage projections (ContextOptions.stage_projections).
 
@@ -186,6 +190,8 @@ class GQAAttention(nn.Module):
     stages are a scan whose body checkpoints everything but the running sum, so
     forward and backward hold one stage's q/k/v/gate/out and the layer's
     `[B, T, D]` output, never the layer's whole q, gate or attention output.
+    pre (the layer's norm) runs inside each stage: the stages keep the layer's
+    input, which the layer keeps anyway, rather than a normed copy of it.
     Shapes: q_heads `[S, N/S]`, kv_heads `[S, M]` int arrays.
     """
     c = self.config
@@ -215,7 +221,7 @@ class GQAAttention(nn.Module):
     @jax.checkpoint
     def stage_out(w):
       w_qkv_g, wo_g = w[:2]
-      qkv = jnp.einsum("BTD,DF->BTF", x, w_qkv_g)
+      qkv = jnp.einsum("BTD,DF->BTF", x if pre is None else pre(x), w_qkv_g)
       if len(w) > 2:
         qkv = qkv + w[2]
       lead = qkv.shape[:2]

@@ -160,7 +160,9 @@ class ModelConfig:
     its backward recomputes them ('device': k of them on the device at once;
     'offload': each goes to pinned host memory as it is recomputed and comes back
     for its layer's backward, like the group's own input under an offloading
-    policy). Host memory grows by one group's k inputs, the device's by none.
+    policy; a block of several layers scans each run of same-kind layers, so each
+    copy back happens in its own iteration). Host memory grows by one group's k
+    inputs, the device's by none.
     Layers outside groups (remat_group_size 1) have no inner inputs: no effect."""
   layer_input_pieces: int = 1
   """Save (or offload) each layer input as this many pieces split along d_model

@@ -62,8 +62,11 @@ class DecoderLayer(nn.Module):
     x = constrain(x, _ACT)
     if self.input_tag:  # what 'offload_layer_inputs' and friends keep or offload
       x = tag_layer_input(x, c.layer_input_pieces, self.input_tag)
-    h = norm_of(c, "attn_norm")(x)
-    h = self._token_mixer()(h, segment_ids, positions)
+    mixer = self._token_mixer()
+    if isinstance(mixer, GQAAttention):  # the norm inside its head stages, if any
+      h = mixer(x, segment_ids, positions, pre=norm_of(c, "attn_norm")(x, as_function=True))
+    else:
+      h = mixer(norm_of(c, "attn_norm")(x), segment_ids, positions)
     if c.post_sublayer_norms:
       h = norm_of(c, "post_attn_norm")(h)
     x = constrain(x + h, _ACT)
@@ -186,12 +189,57 @@ def _grouped_layers(c: ModelConfig, mixer, stacked, x, segment_ids, positions):
     # A scan, not a loop: its reverse pass recomputes one block at a time (an
     # unrolled loop lets XLA hoist every layer's recompute, so the temporaries
     # grow with the group; docs/benchmarks.md has the v5p measurement).
-    body = lambda x, p: block.apply({"params": p}, x, segment_ids, positions)  # noqa: E731
+    if c.remat_group_inner_inputs == "offload" and len(c.attention_pattern) > 1:
+      body = lambda x, p: (_block_by_runs(c, mixer, p, x, segment_ids, positions), None)  # noqa: E731
+    else:
+      body = lambda x, p: block.apply({"params": p}, x, segment_ids, positions)  # noqa: E731
     return jax.lax.scan(body, x, params)[0]
 
   group = jax.checkpoint(group, policy=outer, prevent_cse=False)  # in scan: no CSE
   grouped = jax.tree.map(lambda a: a.reshape((-1, blocks) + a.shape[1:]), stacked)
   x, _ = jax.lax.scan(lambda x, p: (group(x, p), None), x, grouped)
+  return x
+
+
+def _block_by_runs(c: ModelConfig, mixer, params, x, segment_ids, positions):
+  """One block of several layers inside a remat group with
+  remat_group_inner_inputs='offload': each run of consecutive layers of one kind
+  (Qwen3.5's 3 Gated DeltaNet layers) is a scan over its layers' stacked params,
+  each layer's input offloaded by the group's inner policy as in
+  Block(in_group=True), which it replaces there.
+
+  Why a scan: in an unrolled block's backward XLA copied every layer's input back
+  from host at the top (nothing orders a copy after the later layers' backward),
+  so they all waited on the device through the last layer's backward, the
+  hybrids' peak (Qwen3.5-shaped at 720,896 tokens per device: four such copies,
+  11 GiB). In a loop each copy back happens in its own iteration; XLA still
+  starts the first one before the loop (docs/memory.md). An explicit host round
+  trip per layer (a custom VJP whose copy back waits behind an optimization
+  barrier on the output's cotangent) did not hold: the barrier was gone before
+  scheduling and the copy came back at once. Same values and gradients as
+  Block(in_group=True).
+  """
+  _, inner = checkpoint_policies(c)
+  kinds = list(zip(c.attention_pattern, c.block_layer_types))
+  i = 0
+  while i < len(kinds):
+    j = i + 1
+    while j < len(kinds) and kinds[j] == kinds[i]:
+      j += 1
+    window, kind = kinds[i]
+    layer = DecoderLayer(c, mixer, window, kind, input_tag=GROUP_INNER_INPUT_NAME)
+
+    def apply(x, p, layer=layer):
+      return layer.apply({"params": p}, x, segment_ids, positions)
+
+    apply = jax.checkpoint(apply, policy=inner, prevent_cse=False)  # in scan: no CSE
+    if j - i == 1:
+      x = apply(x, params[f"layer_{i}"])
+    else:
+      run = [params[f"layer_{k}"] for k in range(i, j)]
+      stacked = jax.tree.map(lambda *a: jnp.stack(a), *run)
+      x, _ = jax.lax.scan(lambda x, p: (apply(x, p), None), x, stacked)  # noqa: B023
+    i = j
   return x
 
 

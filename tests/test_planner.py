@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from lctx.kernels import AttentionOptions
-from lctx.parallel import AttentionDims
+from lctx.parallel import AttentionDims, ContextOptions
 from lctx.sizing import devices as devices_lib  # noqa: E402  (no jax import)
 
 devices_lib.compile_only_env()
@@ -207,8 +207,19 @@ def test_head_chunks_shrink_ulysses_attention_buffers_only():
   # stages of one q head share that kv head.
   uly = planner.make_setup(exp, strategy="ulysses", mesh={"context": 8}, remat_policy="full")
   assert mm.head_chunk_fractions(dims, dataclasses.replace(uly, head_chunks=4)) == (0.25, 1.0)
+  # ring: head_chunks reach the setup only with stage_projections (planner
+  # _head_chunks); its stages have no all-to-all: 4 stages of 8 q heads and their
+  # 2 kv heads.
   ring = planner.make_setup(exp, strategy="ring", mesh={"context": 64}, remat_policy="full")
-  assert mm.head_chunk_fractions(dims, dataclasses.replace(ring, head_chunks=4)) == (1.0, 1.0)
+  assert ring.head_chunks is None
+  assert mm.head_chunk_fractions(dims, dataclasses.replace(ring, head_chunks=4)) == (0.25, 0.25)
+  staged = dataclasses.replace(
+    exp, train=dataclasses.replace(
+      exp.train, context_options=ContextOptions(head_chunks=4, stage_projections=True)
+    )
+  )  # fmt: skip
+  setup = planner.make_setup(staged, strategy="ring", mesh={"context": 64}, remat_policy="full")
+  assert setup.head_chunks == 4
 
 
 def test_all_gather_grows_with_the_whole_sequence_ring_with_the_shard():

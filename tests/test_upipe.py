@@ -169,6 +169,8 @@ def test_zigzag_permute_local_matches_the_host_reorder(ring, ways):
     pytest.param("usp", "usp2x4", 8, 4, 2, False, marks=pytest.mark.slow),  # each stage a ring
     # gated, u < G, with q/k/v biases (random: the gate's columns take none)
     pytest.param("usp", "usp2x4", 16, 4, 4, "bias", marks=pytest.mark.slow),
+    # ring: stages of heads without an all-to-all (4 q heads and their kv head each)
+    ("ring", "c8", 16, 4, 4, True),
   ],
 )
 def test_stage_projections_equal_the_whole_layer(strategy, mesh_name, n, kh, chunks, gate):
@@ -221,8 +223,11 @@ def test_stage_projections_rules():
     stage_heads(helpers.mesh("c8"), "ulysses", None)
   with pytest.raises(ValueError, match=r"\[head-chunks\].*needs tensor = 1"):
     stage_heads(helpers.mesh("t2c4"), "ulysses", 2)
-  with pytest.raises(ValueError, match=r"\[head-chunks\].*strategy 'ring' has none"):
-    stage_heads(helpers.mesh("c8"), "ring", 2)
+  with pytest.raises(ValueError, match=r"\[head-chunks\].*strategy 'all_gather' takes every"):
+    stage_heads(helpers.mesh("c8"), "all_gather", 2)
+  q, kv = stage_heads(helpers.mesh("c8"), "ring", 4)(16, 4)  # no all-to-all: degree 1
+  assert q.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+  assert kv.tolist() == [[0], [1], [2], [3]]
 
 
 def test_stage_projections_refused_without_an_all_to_all():
@@ -230,7 +235,7 @@ def test_stage_projections_refused_without_an_all_to_all():
 
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
   dims = AttentionDims(num_heads=8, num_kv_heads=8, head_dim=16, v_head_dim=16)
-  with pytest.raises(ValueError, match=r"\[head-chunks\].*strategy 'none' has none"):
+  with pytest.raises(ValueError, match=r"\[head-chunks\].*strategy\s+'none' has none"):
     make_context_plan(
       mesh, dims, seq_len=64, batch_size=8, context=ContextOptions(stage_projections=True)
     )

@@ -165,13 +165,16 @@ def attention_buffer_bytes(
 def head_chunk_fractions(dims: AttentionDims, setup: AttentionSetup) -> tuple[float, float]:
   """(q, kv) fractions of the heads whose attention buffers one UPipe stage holds
   (ContextOptions.head_chunks, lctx/parallel/upipe.py): the stages run in
-  a scan, so buffers are one stage's; K/V go once per GQA group of stages.
-  (1, 1) without head chunks or for other strategies. A shape count, not fitted
+  a scan, so buffers are one stage's; K/V go once per GQA group of stages; under
+  ring (stage_projections) the same with a degree of 1. (1, 1) without head
+  chunks or for other strategies. A shape count, not fitted
   to compiles: the stage bookkeeping (slices, the output buffer) is not counted."""
   stages = setup.head_chunks or 1
-  if stages <= 1 or setup.strategy not in ("ulysses", "usp"):
+  if stages <= 1 or setup.strategy not in ("ulysses", "usp", "ring"):
     return 1.0, 1.0
-  degree = setup.axis("context_ulysses") if setup.strategy == "usp" else setup.axis("context")
+  # ring: the stages of ContextOptions.stage_projections, without an all-to-all.
+  degree = {"usp": "context_ulysses", "ulysses": "context"}.get(setup.strategy)
+  degree = setup.axis(degree) if degree else 1
   tp = setup.axis("tensor")
   q_dev = dims.num_heads / (tp * degree)  # q heads per device after the all-to-all
   kv_dev = max(dims.num_kv_heads / (tp * degree), 1.0)

@@ -240,10 +240,10 @@ def stage_heads(mesh, strategy: str, head_chunks: int | None):
   mixer's `head_stages(num_heads, num_kv_heads) -> (q_heads [S, N/S], kv_heads [S, M])`
   (upipe.head_stages). The attention call then runs every head it is given at once,
   and the model projects q/k/v and the output one stage at a time."""
-  if strategy not in ("ulysses", "usp"):
+  if strategy not in ("ulysses", "usp", "ring"):
     raise ConfigError(
-      f"[head-chunks] ContextOptions.stage_projections stages the ulysses all-to-all; "
-      f"strategy {strategy!r} has none"
+      f"[head-chunks] ContextOptions.stage_projections stages the heads of ulysses, usp or "
+      f"ring; strategy {strategy!r} takes every head at once"
     )
   if (head_chunks or 1) < 2:
     raise ConfigError(
@@ -255,7 +255,10 @@ def stage_heads(mesh, strategy: str, head_chunks: int | None):
       "[head-chunks] ContextOptions.stage_projections picks global heads per stage, so it "
       f"needs tensor = 1; got mesh {shape} (use head_chunks alone)"
     )
-  degree = shape.get("context" if strategy == "ulysses" else "context_ulysses", 1)
+  # Ring has no all-to-all: each stage is its own heads' ring (degree 1), which
+  # keeps a stage's traveling K/V and their float32 gradients to its kv heads.
+  degree = {"ulysses": "context", "usp": "context_ulysses"}.get(strategy)
+  degree = shape.get(degree, 1) if degree else 1
   return functools.partial(head_stages, degree=degree, stages=head_chunks)
 
 

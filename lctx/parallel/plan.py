@@ -238,8 +238,9 @@ def make_context_plan(
       raise ConfigError("[none-load-balance] strategy 'none' has no ring to balance")
     if head_chunks is not None or stage_projections:
       raise ConfigError(
-        "[head-chunks] ContextOptions.head_chunks / stage_projections stage the ulysses "
-        "all-to-all; strategy 'none' has none"
+        "[head-chunks] ContextOptions.head_chunks / stage_projections stage the heads of a "
+        "context-parallel strategy (ulysses, usp; ring with stage_projections); strategy "
+        "'none' has none"
       )
   else:
     if stage_projections:

@@ -167,7 +167,7 @@ def make_setup(
     block_q=attention.block_q,
     block_kv=attention.block_kv,
     kernel=mm.resolve_kernel(attention.backend, platform),
-    head_chunks=train.context_options.head_chunks if strategy in ("ulysses", "usp") else None,
+    head_chunks=_head_chunks(train.context_options, strategy),
     block_q_bwd=attention.block_q_bwd,
     block_kv_bwd=attention.block_kv_bwd,
     fused_bwd=attention.fused_bwd,
@@ -526,3 +526,11 @@ def _compile_winner(exp, record) -> dict[str, Any] | None:
   got = compiled["per_device"]["total_bytes"]
   compiled["planner_error_pct"] = 100.0 * (est - got) / got if got else None
   return compiled
+
+
+def _head_chunks(context, strategy: str) -> int | None:
+  """The head stages the memory model counts: UPipe's under ulysses / usp, and
+  under ring the stages of ContextOptions.stage_projections (no all-to-all)."""
+  if strategy in ("ulysses", "usp") or (strategy == "ring" and context.stage_projections):
+    return context.head_chunks
+  return None

@@ -314,7 +314,11 @@ def record_full_size(gin_file: str, workdir: str) -> dict:
     "strategy": rec.get("strategy"),
     "tokens_per_step": rec.get("tokens_per_step"),
     "hbm_gib": round(rec["hbm_bytes_per_device"] / GiB, 2),
-    "host_gib": round((per_device.get("host_bytes") or 0) / GiB, 2),
+    # Pinned host per device: the allocation on TPU (as host_bytes_per_vm), else
+    # memory_analysis.
+    "host_gib": round(
+      (rec.get("allocated_host_bytes_per_device") or per_device.get("host_bytes") or 0) / GiB, 2
+    ),
     "total_flops": rec.get("total_flops_per_device"),
     "recompute_ratio": rec.get("recompute_ratio"),
     "step_seconds_estimate": rec.get("step_seconds_estimate"),

@@ -7,6 +7,7 @@ files are measured by hand and recorded in their headers.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -311,6 +312,43 @@ def test_the_compilers_hbm_check_is_the_buffer_assignment(tmp_path):
   with pytest.raises(jax.errors.JaxRuntimeError, match="CompileTimeHbmOom") as err:
     jax.jit(two_scans_grad).lower(x, w).compile(compiler_options={"xla_tpu_max_hbm_size_mib": cap})
   assert "overlays" in str(err.value)
+
+
+def test_the_host_allocation_is_read_from_the_buffer_assignment(tmp_path):
+  """Pinned host memory as the executable allocates it (memory space 5 of the
+  buffer assignment), the figure `fits` checks against the VM's RAM on TPU: the
+  gradient of a scan of 8 layers under a policy that offloads each layer's
+  `[rows, 512]` bf16 input (v5p, one device) allocates exactly those 8 inputs on
+  the host; memory_analysis' host temporaries are at least that."""
+  devices = tpu_lib.topology_devices("v5p:2x2x1")
+  sharding = NamedSharding(Mesh(devices[:1], ("x",)), P())
+  policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=["layer_input"],
+    offload_src="device",
+    offload_dst="pinned_host",
+  )
+
+  @functools.partial(jax.checkpoint, policy=policy)
+  def layer(c, wi):
+    c = jax.ad_checkpoint.checkpoint_name(c, "layer_input")
+    return jnp.tanh(c @ wi)
+
+  def grad(x, w):
+    def loss(x, w):
+      step = lambda c, wi: (layer(c, wi), None)  # noqa: E731
+      return jax.lax.scan(step, x, w)[0].astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1))(x, w)
+
+  rows, layers = 16_384, 8
+  x = jax.ShapeDtypeStruct((rows, 512), jnp.bfloat16, sharding=sharding)
+  w = jax.ShapeDtypeStruct((layers, 512, 512), jnp.bfloat16, sharding=sharding)
+  options = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
+  compiled = jax.jit(grad).lower(x, w).compile(compiler_options=options)
+  allocated = compile_lib._allocated(str(tmp_path), "grad")  # pylint: disable=protected-access
+  assert allocated["host_bytes"] == layers * rows * 512 * 2, allocated
+  assert compile_lib._memory(compiled)["host_bytes"] >= allocated["host_bytes"]  # pylint: disable=protected-access
 
 
 def test_fits_is_judged_by_the_allocation_and_says_when_memory_analysis_is_over(

@@ -67,9 +67,9 @@ SHRUNK_MESH = {
   ],
   "gin/long_ironwood.gin": ["MeshConfig.context = 8"],
   "gin/long_h100.gin": ["MeshConfig.context = 8"],  # its own 8-GPU mesh
-  # The hybrids: 4 kv heads, so ulysses 2 of them; no tensor axis.
-  "gin/long_hybrid_v5p.gin": ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2"],
-  "gin/long_hybrid_ironwood.gin": ["MeshConfig.context = 4", "MeshConfig.context_ulysses = 2"],
+  # The hybrids: ring with head stages; no tensor axis.
+  "gin/long_hybrid_v5p.gin": ["MeshConfig.context = 8"],
+  "gin/long_hybrid_ironwood.gin": ["MeshConfig.context = 8"],
   "gin/long_gemma3_v5p.gin": ["MeshConfig.context = 8"],  # ring; sliding layers by halo
   "gin/ring_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],
   "gin/allgather_v5p.gin": ["MeshConfig.fsdp = 2", "MeshConfig.context = 4"],

@@ -203,7 +203,7 @@ def _allocated(dump_dir: str, program: str = "train_step") -> dict[str, Any]:
   out = {}
   for path in glob.glob(os.path.join(dump_dir, f"*{program}*memory-usage-report.txt")):
     with open(path) as f:
-      report = f.read(1 << 16)
+      report = f.read()  # the host memory space comes after the HBM slots
     m = re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", report)
     if m:
       out["hbm_bytes"] = int(m.group(1))

@@ -355,6 +355,20 @@ def test_the_host_allocation_is_read_from_the_buffer_assignment(tmp_path):
   assert compile_lib._memory(compiled)["host_bytes"] >= allocated["host_bytes"]  # pylint: disable=protected-access
 
 
+def test_allocated_reads_the_host_space_after_long_hbm_listings(tmp_path):
+  """The host memory space follows the HBM slots in the report, 190 KB into the
+  Ironwood hybrid's: the whole report is read."""
+  rows = "".join(f"   1.00GiB(  1%);    1.00GiB;  {i};  1; bf16[1,2,3]\n" for i in range(5000))
+  report = (
+    "Memory Space: default (color=0)\nTotal bytes: 1234\n" + rows
+    + "Memory Space: cmem (color=5)\nTotal bytes: 5678\n"
+  )  # fmt: skip
+  assert len(report) > 1 << 17
+  (tmp_path / "module_0001.jit_train_step.memory-usage-report.txt").write_text(report)
+  allocated = compile_lib._allocated(str(tmp_path))  # pylint: disable=protected-access
+  assert (allocated["hbm_bytes"], allocated["host_bytes"]) == (1234, 5678)
+
+
 def test_fits_is_judged_by_the_allocation_and_says_when_memory_analysis_is_over(
   tmp_path, monkeypatch
 ):

@@ -123,11 +123,13 @@ def _rms_norm_fwd(x, scale, eps, out_dtype=None):
 def _rms_norm_bwd(eps, out_dtype, res, g):
   del eps, out_dtype
   x, r, scale = res
-  # The barrier makes this float32 x a value of the backward's own, made once g
-  # exists: else XLA shares the forward's conversion (the remat recompute and the
-  # backward sit in one computation) and keeps it float32 in between (Qwen3.5's
-  # q/k norms at 720,896 tokens per device: two [T, 1024] f32 values, 5.5 GiB).
-  x, g = jax.lax.optimization_barrier((x, g))
+  # The barrier makes this float32 x a value of the backward's own: else XLA
+  # shares the forward's conversion (the remat recompute and the backward sit in
+  # one computation) and keeps it float32 in between (Qwen3.5's q/k norms at
+  # 720,896 tokens per device: two [T, 1024] f32 values, 5.5 GiB). x alone: tied
+  # to g as well, it undid remat_group_inner_inputs='offload' on a small Llama
+  # (tests/test_remat.py::test_tpu_group_inner_inputs_go_to_host).
+  x = jax.lax.optimization_barrier(x)
   g = g.astype(jnp.float32)
   xn = x.astype(jnp.float32) * r
   d = xn.shape[-1]

@@ -12,6 +12,7 @@ Shapes legend (docs/contracts.md): B batch, T length, D d_model, E vocab.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -220,26 +221,20 @@ def _block_by_runs(c: ModelConfig, mixer, params, x, segment_ids, positions):
   Block(in_group=True).
   """
   _, inner = checkpoint_policies(c)
-  kinds = list(zip(c.attention_pattern, c.block_layer_types))
-  i = 0
-  while i < len(kinds):
-    j = i + 1
-    while j < len(kinds) and kinds[j] == kinds[i]:
-      j += 1
-    window, kind = kinds[i]
+  kinds = enumerate(zip(c.attention_pattern, c.block_layer_types))
+  for (window, kind), run in itertools.groupby(kinds, key=lambda ik: ik[1]):
+    run = [params[f"layer_{i}"] for i, _ in run]
     layer = DecoderLayer(c, mixer, window, kind, input_tag=GROUP_INNER_INPUT_NAME)
 
     def apply(x, p, layer=layer):
       return layer.apply({"params": p}, x, segment_ids, positions)
 
     apply = jax.checkpoint(apply, policy=inner, prevent_cse=False)  # in scan: no CSE
-    if j - i == 1:
-      x = apply(x, params[f"layer_{i}"])
+    if len(run) == 1:
+      x = apply(x, run[0])
     else:
-      run = [params[f"layer_{k}"] for k in range(i, j)]
       stacked = jax.tree.map(lambda *a: jnp.stack(a), *run)
       x, _ = jax.lax.scan(lambda x, p: (apply(x, p), None), x, stacked)  # noqa: B023
-    i = j
   return x
 
 
